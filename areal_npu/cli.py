@@ -1,0 +1,95 @@
+"""``areal-npu``: doctor | train | report | plan | bench.
+
+Config errors exit with code 2 and one line naming the key, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from areal_npu.config import ConfigError
+
+EXIT_CONFIG = 2
+EXIT_NOT_AVAILABLE = 3
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from areal_npu import doctor
+
+    report = doctor.collect()
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        doctor.render(report)
+    return 1 if (args.strict and report["problems"]) else 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from areal_npu.config import ExperimentConfig, load_config, to_yaml
+
+    cfg = load_config(ExperimentConfig, args.recipe, args.overrides)
+    if args.check:
+        print(to_yaml(cfg), end="")
+        return 0
+    print(
+        "areal-npu train: the asynchronous RL loop has not landed yet (see the controller issue); "
+        "the recipe is valid (--check prints it resolved).",
+        file=sys.stderr,
+    )
+    return EXIT_NOT_AVAILABLE
+
+
+def _not_yet(name: str, issue: str):
+    def run(args: argparse.Namespace) -> int:
+        print(f"areal-npu {name}: not available yet ({issue}).", file=sys.stderr)
+        return EXIT_NOT_AVAILABLE
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="areal-npu", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("doctor", help="device, versions, environment and the path each component takes")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("train", help="run a recipe: asynchronous GRPO with MTP speculative rollouts")
+    p.add_argument("recipe", help="recipe YAML, e.g. recipes/cpu/quickstart.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
+    p.add_argument("--check", action="store_true", help="validate the recipe, print it resolved, and exit")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("report", help="plots and a markdown summary of a run directory")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_not_yet("report", "arrives with the RL loop"))
+
+    p = sub.add_parser("plan", help="step-time model and draft-length recommendation")
+    p.add_argument("run_dir", nargs="?")
+    p.set_defaults(func=_not_yet("plan", "arrives with the speculation planner"))
+
+    p = sub.add_parser("bench", help="run one of scripts/bench_*.py")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(func=_not_yet("bench", "use scripts/bench_*.py directly for now"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

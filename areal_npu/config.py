@@ -1,0 +1,133 @@
+"""Typed experiment configs: a recipe YAML plus dotted overrides, checked before any work starts.
+
+Each component defines its own ``Config`` dataclass beside itself (``areal_npu/data/packing.py``
+has ``PackingConfig`` ...); :class:`ExperimentConfig` composes them. Loading goes through
+OmegaConf structured configs, so unknown keys and wrong types are caught by the schema; every
+dataclass may define ``validate()`` for impossible combinations. All failures become
+:class:`ConfigError`, which names the dotted key (and a close match for typos); the CLI turns it
+into exit code 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad config value. ``key`` is the dotted path of the offending entry."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+@dataclass
+class ExperimentConfig:
+    """The whole run. Component sections are added beside the components as they land."""
+
+    name: str = "areal-npu"
+    seed: int = 1
+    run_dir: str = "runs/${name}"
+    device: str = "auto"  # auto | npu | cuda | cpu
+
+    def validate(self) -> None:
+        if self.device not in ("auto", "npu", "cuda", "cpu"):
+            raise ConfigError("device", f"must be one of auto, npu, cuda, cpu; got {self.device!r}")
+        if not self.name or "/" in self.name:
+            raise ConfigError("name", f"must be a non-empty name without '/'; got {self.name!r}")
+
+
+def _keys_at(default: Any, dotted: str) -> list[str]:
+    """The valid field names at the level of ``dotted`` in a default config tree (for suggestions)."""
+    node = default
+    for part in dotted.split(".")[:-1]:
+        node = getattr(node, part, None)
+    return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+
+
+def _unknown_key_error(schema: type, key: str) -> ConfigError:
+    leaf = key.split(".")[-1]
+    candidates = _keys_at(schema(), key)
+    close = difflib.get_close_matches(leaf, candidates, n=1, cutoff=0.6)
+    hint = f"; did you mean {'.'.join(key.split('.')[:-1] + [close[0]])!r}?" if close else ""
+    valid = f" Valid keys here: {', '.join(sorted(candidates))}." if candidates and not close else ""
+    return ConfigError(key, f"unknown key{hint}{valid}")
+
+
+def _translate(schema: type, exc: OmegaConfBaseException) -> ConfigError:
+    key = str(getattr(exc, "full_key", "") or "")
+    if isinstance(exc, ConfigKeyError) or "not in struct" in str(exc).lower():
+        return _unknown_key_error(schema, key)
+    if isinstance(exc, MissingMandatoryValue):
+        return ConfigError(key, "is required but has no value")
+    if isinstance(exc, ValidationError):
+        message = str(exc).splitlines()[0]
+        return ConfigError(key, f"wrong type or value ({message})")
+    return ConfigError(key, str(exc).splitlines()[0])
+
+
+def validate_tree(obj: Any, prefix: str = "") -> None:
+    """Call ``validate()`` on every dataclass in the tree, depth first; prefix errors with the path."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    for f in dataclasses.fields(obj):
+        validate_tree(getattr(obj, f.name), f"{prefix}{f.name}.")
+    validate = getattr(obj, "validate", None)
+    if validate is None:
+        return
+    try:
+        validate()
+    except ConfigError as exc:
+        raise ConfigError(prefix + exc.key, str(exc)[len(exc.key) + 2 :] if exc.key else str(exc)) from None
+    except ValueError as exc:
+        # Components raise plain ValueError("field_name ..."); point at the field when we can.
+        words = str(exc).split()
+        names = {f.name for f in dataclasses.fields(obj)}
+        key = (
+            prefix + words[0].strip(":,'\"`")
+            if words and words[0].strip(":,'\"`") in names
+            else prefix.rstrip(".")
+        )
+        raise ConfigError(key, str(exc)) from None
+
+
+def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] | tuple = ()) -> T:
+    """Schema defaults <- recipe YAML <- ``a.b.c=value`` overrides, typed and validated."""
+    base = OmegaConf.structured(schema)
+    layers = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("", f"recipe {str(path)!r} does not exist")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as exc:  # noqa: BLE001 - YAML syntax errors come in many types
+            raise ConfigError("", f"cannot parse {path}: {exc}") from None
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(item, "overrides look like a.b.c=value")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(base, *layers)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _translate(schema, exc) from None
+    validate_tree(obj)
+    return obj
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML (written into every run directory)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+
+
+__all__ = ["ConfigError", "ExperimentConfig", "load_config", "to_yaml", "validate_tree"]

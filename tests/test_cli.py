@@ -1,0 +1,55 @@
+"""The `areal-npu` command: doctor output and config errors, run as a user would."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args):
+    exe = shutil.which("areal-npu")
+    argv = [exe] if exe else [sys.executable, "-m", "areal_npu.cli"]
+    return subprocess.run(argv + list(args), capture_output=True, text=True, timeout=300)
+
+
+def test_doctor_json_is_valid_and_consistent():
+    out = _cli("doctor", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    expected_backend = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}[report["device"]]
+    assert report["dist_backend"] == expected_backend
+    import torch
+
+    assert report["versions"]["torch"] == torch.__version__
+    assert set(report["paths"]) == {"rollout", "packed_attention", "train_fsdp2", "train_megatron"}
+
+
+def test_doctor_table_is_readable():
+    out = _cli("doctor")
+    assert out.returncode == 0, out.stderr
+    for word in ("device", "torch", "transformers", "path: rollout"):
+        assert word in out.stdout
+
+
+def test_misspelt_key_exits_2_without_traceback(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: demo\nseeed: 3\n")
+    out = _cli("train", str(recipe))
+    assert out.returncode == 2
+    assert "seeed" in out.stderr and "did you mean 'seed'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_override_exits_2(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: demo\n")
+    out = _cli("train", str(recipe), "seed=abc")
+    assert out.returncode == 2 and "seed" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command", ["doctor", "train", "report", "plan", "bench"])
+def test_help_everywhere(command):
+    out = _cli(command, "--help")
+    assert out.returncode == 0 and "usage:" in out.stdout

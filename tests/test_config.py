@@ -1,0 +1,68 @@
+"""Recipe loading: defaults <- YAML <- dotted overrides; bad input names the key."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from areal_npu.config import ConfigError, ExperimentConfig, load_config, to_yaml
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+
+    def validate(self):
+        if self.warmup_steps < 0:
+            raise ValueError("warmup_steps must be >= 0")
+
+
+@dataclass
+class RecipeConfig(ExperimentConfig):
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+def test_layers_apply_in_order(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: demo\noptim:\n  lr: 0.5\n  warmup_steps: 3\n")
+    cfg = load_config(RecipeConfig, recipe, ["optim.lr=0.25", "seed=7"])
+    assert (cfg.name, cfg.seed, cfg.optim.lr, cfg.optim.warmup_steps) == ("demo", 7, 0.25, 3)
+    assert cfg.run_dir == "runs/demo"  # interpolation resolved
+    assert isinstance(cfg.optim, OptimConfig)
+    assert "lr: 0.25" in to_yaml(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [
+        (["optim.lrr=1"], "optim.lrr", "did you mean 'optim.lr'"),
+        (["seeed=1"], "seeed", "did you mean 'seed'"),
+        (["optim.lr=fast"], "optim.lr", "wrong type"),
+        (["optim.warmup_steps=-1"], "optim.warmup_steps", ">= 0"),
+        (["device=tpu"], "device", "auto, npu, cuda, cpu"),
+        (["optim.zzz=1"], "optim.zzz", "Valid keys here: betas, lr, warmup_steps"),
+        (["justaword"], "justaword", "a.b.c=value"),
+    ],
+)
+def test_bad_input_names_the_key(overrides, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(RecipeConfig, None, overrides)
+    assert info.value.key == key
+    assert fragment in str(info.value)
+
+
+def test_misspelt_key_in_yaml(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim:\n  warmup_step: 3\n")
+    with pytest.raises(ConfigError, match="did you mean 'optim.warmup_steps'"):
+        load_config(RecipeConfig, recipe)
+
+
+def test_missing_and_broken_recipe(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(RecipeConfig, tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(RecipeConfig, bad)
