@@ -69,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.set_defaults(func=_not_yet("report", "arrives with the RL loop"))
 
+    from areal_npu import plan_cli
+
     p = sub.add_parser("plan", help="step-time model and draft-length recommendation")
-    p.add_argument("run_dir", nargs="?")
-    p.set_defaults(func=_not_yet("plan", "arrives with the speculation planner"))
+    plan_cli.add_arguments(p)
+    p.set_defaults(func=plan_cli.run)
 
     p = sub.add_parser("bench", help="run one of scripts/bench_*.py")
     p.add_argument("name", nargs="?")
