@@ -82,6 +82,11 @@ class Platform:
             return torch.device("cpu")
         return torch.device(self.device_type, 0 if index is None else index)
 
+    def current_device(self):
+        """The device this process computes on (``set_device``'s choice on accelerators)."""
+        module = self.torch_module()
+        return self.device() if module is None else self.device(module.current_device())
+
     def device_count(self) -> int:
         module = self.torch_module()
         return 1 if module is None else int(module.device_count())

@@ -1,0 +1,140 @@
+"""Atomic, resumable checkpoints of a train engine.
+
+Layout of ``<root>/step_<N>/``: a Hugging Face checkpoint (``config.json``, ``model.safetensors``
+with the ``mtp.*`` weights, the tokenizer) that vLLM and transformers load as is, plus
+``optim.pt`` (full optimizer state), ``trainer_state.json`` (version, scheduler, the caller's
+state such as the data position) and ``rng_rank<r>.pt``. Everything is written into a temporary
+directory that is renamed into place only when complete; ``<root>/latest`` is then replaced
+atomically. A crash at any point leaves the previous checkpoint intact and ``latest`` pointing at it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+LATEST = "latest"
+
+
+def _barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    marker = Path(root) / LATEST
+    if not marker.is_file():
+        return None
+    path = Path(root) / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def save_checkpoint(
+    engine, root: str | Path, extra: dict | None = None, tokenizer=None, keep_last: int = 2
+) -> Path:
+    """Write ``<root>/step_<version>`` atomically; collective (every rank calls it)."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    name = f"step_{engine.version}"
+    tmp = root / f".{name}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    tensors = dict(engine.full_state_dict())  # collective
+    optim = get_optimizer_state_dict(
+        engine.module, engine.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        engine.lm.config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save(optim, tmp / "optim.pt")
+        state = {"version": engine.version, "scheduler": engine.scheduler.state_dict(), "extra": extra or {}}
+        _write_atomic(tmp / "trainer_state.json", json.dumps(state, indent=2, default=str))
+    _barrier()
+    final = root / name
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_atomic(root / LATEST, name)
+        steps = sorted(
+            (p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1])
+        )
+        for old in steps[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(engine, path: str | Path) -> dict:
+    """Restore weights, optimizer, scheduler, version and RNG from ``path``; returns the caller's
+    ``extra`` state. Collective."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tensors = load_file(str(path / "model.safetensors"))
+    module_state = {}
+    for name in engine.module.state_dict():
+        source = name[len("lm.") :] if name.startswith("lm.") else name
+        if source in tensors:
+            module_state[name] = tensors[source]
+    missing = [n for n in engine.module.state_dict() if n not in module_state and "rotary_emb" not in n]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(engine.module, module_state, options=options)
+    optim = torch.load(path / "optim.pt", weights_only=False)
+    set_optimizer_state_dict(
+        engine.module, engine.optimizer, optim, options=StateDictOptions(full_state_dict=True)
+    )
+    state = json.loads((path / "trainer_state.json").read_text())
+    engine.scheduler.load_state_dict(state["scheduler"])
+    engine.version = int(state["version"])
+    rng = path / f"rng_rank{rank}.pt"
+    if rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return state["extra"]

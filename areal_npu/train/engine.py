@@ -1,0 +1,449 @@
+"""The FSDP2 train engine: packed micro-batches, decoupled PPO (or SFT) + MTP loss, bucketed export.
+
+Public operations: :meth:`FSDPEngine.compute_logprobs` (the proximal recompute) and
+:meth:`FSDPEngine.train_step`. Inputs are token-aligned samples (:mod:`areal_npu.data.trajectory`);
+inside, every sequence is shifted to prediction alignment (position t predicts token t+1) *before*
+packing, so no target ever crosses a packed segment. Losses are normalised by global counts summed
+over micro-batches and data-parallel ranks, so micro-batching and sharding never change the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from areal_npu.algo.guard import NonFiniteError, nonfinite_guard
+from areal_npu.algo.ppo import PPOConfig, decoupled_ppo_loss
+from areal_npu.data.packed_layout import pack_per_token, pack_sequences
+from areal_npu.data.packing import PackingConfig, packing_stats, plan_micro_batches
+from areal_npu.kernels.logprobs import chunked_logprobs_entropy
+from areal_npu.model.mtp import MTPConfig
+from areal_npu.model.mtp_loss import mtp_loss
+from areal_npu.model.mtp_params import apply_mtp_mode, mtp_mode
+from areal_npu.model.mtp_targets import build_mtp_targets
+from areal_npu.model.packed import enable_packed_attention
+from areal_npu.platform import current_platform
+from areal_npu.train.dist import all_reduce_sum
+from areal_npu.train.optim import OptimConfig, build_optimizer
+
+IGNORE = -100
+
+
+@dataclass
+class TrainEngineConfig:
+    dtype: str = "float32"  # float32 | bfloat16 (parameters and compute; gradients reduced in fp32)
+    logprob_chunk_size: int = 2048  # tokens per chunk of the [T, V] log-prob computation
+    temperature: float = 1.0  # must match the behaviour log-probs (vLLM raw log-probs: 1.0)
+    gradient_checkpointing: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    packing: PackingConfig = field(default_factory=lambda: PackingConfig(max_tokens_per_mb=8192))
+
+    def validate(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.logprob_chunk_size < 1:
+            raise ValueError("logprob_chunk_size must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0")
+
+
+class PolicyWithMTP(nn.Module):
+    """One FSDP root holding the HF causal LM and its MTP head, so that the shared embedding and
+    output head are unsharded whenever the forward touches them (policy and MTP alike)."""
+
+    def __init__(self, lm: nn.Module, mtp: nn.Module | None):
+        super().__init__()
+        self.lm = lm
+        self.mtp = mtp
+
+    def forward(self, batch: dict, chunk_size: int, temperature: float, mtp_args: dict | None):
+        cu = batch["cu_seqlens"]
+        kwargs = dict(
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=batch["max_seqlen"],
+            max_length_k=batch["max_seqlen"],
+            use_cache=False,
+        )
+        out = self.lm.model(
+            input_ids=batch["input_ids"][None], position_ids=batch["position_ids"][None], **kwargs
+        )
+        hidden = out.last_hidden_state[0]
+        head = self.lm.get_output_embeddings().weight
+        logp, entropy = chunked_logprobs_entropy(
+            hidden, head, batch["targets"], temperature=temperature, chunk_size=chunk_size
+        )
+        # Outputs must not be views: FSDP2 hooks its pre-backward on them (see its UserWarning).
+        logp, entropy = logp.clone(), entropy.clone()
+        if mtp_args is None or self.mtp is None:
+            return logp, entropy, None, {}
+        targets = mtp_args["targets"]
+        mtp_hidden = self.mtp(
+            hidden,
+            targets.embed_ids,
+            batch["position_ids"],
+            self.lm.get_input_embeddings().weight,
+            cu_seqlens=cu,
+            max_seqlen=batch["max_seqlen"],
+        )
+        loss, stats = mtp_loss(mtp_hidden, head, targets, mtp_args["loss_scale"], mtp_args["counts"])
+        return logp, entropy, loss, stats
+
+
+def _shift(x: torch.Tensor, fill) -> torch.Tensor:
+    """Token-aligned -> prediction-aligned: ``out[t] = x[t + 1]``, ``fill`` at the end."""
+    return torch.cat([x[1:], x.new_full((1,), fill)])
+
+
+def _additive(key: str) -> bool:
+    """Stats that are already fractions of a global normaliser: they add up over micro-batches."""
+    return key.startswith("mtp/") or key in ("ppo/loss", "ppo/n_valid_tokens")
+
+
+def _merge_stats(per_mb: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Across micro-batches and ranks: sums for additive keys, min / max for ``/min`` / ``/max``
+    keys, token-weighted means for the rest."""
+    keys = sorted({k for _, s in per_mb for k in s})
+    out = {}
+    for key in keys:
+        vals = [(w, s[key]) for w, s in per_mb if key in s]
+        if _additive(key):
+            out[key] = all_reduce_sum([sum(v for _, v in vals)])[0]
+        elif key.endswith("/min"):
+            local = min(v for _, v in vals)
+            out[key] = -all_reduce_max([-local])[0]
+        elif key.endswith("/max"):
+            out[key] = all_reduce_max([max(v for _, v in vals)])[0]
+        else:
+            num, den = all_reduce_sum([sum(w * v for w, v in vals), sum(w for w, _ in vals)])
+            out[key] = num / den if den else 0.0
+    return out
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=current_platform().current_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+class FSDPEngine:
+    """Trains a transformers causal LM (+ MTP head) with FSDP2 over the platform's backend.
+
+    Expects ``torch.distributed`` to be initialised (:func:`areal_npu.train.dist.init_distributed`);
+    every rank calls every method with its own share of the batch.
+    """
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        mtp: nn.Module | None,
+        config: TrainEngineConfig,
+        mtp_config: MTPConfig | None = None,
+        ppo_config: PPOConfig | None = None,
+        pad_token_id: int = 0,
+    ):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        config.validate()
+        self.config = config
+        self.mtp_config = mtp_config or MTPConfig(enabled=mtp is not None, train=mtp is not None)
+        self.mtp_config.validate()
+        self.ppo_config = ppo_config or PPOConfig()
+        self.ppo_config.validate()
+        self.pad_token_id = pad_token_id
+        self.platform = current_platform()
+        self.device = self.platform.current_device()
+        self.version = 0  # weight version: optimizer steps taken
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed first (areal_npu.train.dist.init_distributed)")
+
+        if self.mtp_config.enabled and mtp is None:
+            raise ValueError("mtp.enabled but no MTP head was given (load one or set mtp.init_new_head)")
+        mtp = mtp if self.mtp_config.enabled else None
+        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        enable_packed_attention(lm)
+        if config.gradient_checkpointing:
+            lm.gradient_checkpointing_enable()
+        groups = apply_mtp_mode(lm, mtp, self.mtp_config)
+        self.module = PolicyWithMTP(lm, mtp).to(device=self.device, dtype=dtype)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in list(lm.model.layers) + (list(mtp.layers) if mtp is not None else []):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(self.module, mp_policy=policy)
+        self.lm, self.mtp = self.module.lm, self.module.mtp
+        # fully_shard swaps parameters for DTensors in place: collect them after sharding, by name.
+        trainable = {("lm." + n) for n, _ in groups.policy} | {n for n, _ in groups.mtp}
+        named = dict(self.module.named_parameters())
+        param_groups = [
+            {"params": [named[n] for n in sorted(trainable) if not n.startswith("mtp.")]},
+            {
+                "params": [named[n] for n in sorted(trainable) if n.startswith("mtp.")],
+                "lr": config.optim.lr * groups.mtp_lr_scale,
+            },
+        ]
+        self.optimizer, self.scheduler = build_optimizer(
+            [g for g in param_groups if g["params"]], config.optim
+        )
+
+    # ---- batching -------------------------------------------------------------------------------
+    def _micro_batches(self, samples: Sequence[dict], fields: dict[str, object]) -> tuple[list, list, dict]:
+        """(plan, packed micro-batches, packing stats). ``fields``: prediction-aligned extras + pad."""
+        lengths = [int(s["input_ids"].shape[0]) for s in samples]
+        plan = plan_micro_batches(lengths, self.config.packing, group=None)
+        mbs = []
+        pad_total = 0
+        for indices in plan:
+            seqs = [samples[i] for i in indices]
+            packed = pack_sequences(
+                [s["input_ids"] for s in seqs],
+                alignment=self.config.packing.alignment,
+                pad_token_id=self.pad_token_id,
+                sample_indices=indices,
+            )
+            pad_total += packed.pad_tokens
+            mb = {
+                "packed": packed,
+                "input_ids": packed.input_ids.to(self.device),
+                "position_ids": packed.position_ids.to(self.device),
+                "cu_seqlens": packed.cu_seqlens.to(self.device),
+                "max_seqlen": packed.max_seqlen,
+                "targets": pack_per_token([_shift(s["input_ids"], IGNORE) for s in seqs], packed, IGNORE),
+            }
+            for name, pad in fields.items():
+                mb[name] = pack_per_token([_shift(s[name], pad) for s in seqs], packed, pad)
+            for key, value in list(mb.items()):
+                if isinstance(value, torch.Tensor):
+                    mb[key] = value.to(self.device)
+            mbs.append(mb)
+        stats = packing_stats(
+            lengths, [p for p in plan if p], self.config.packing.max_tokens_per_mb, pad_total
+        )
+        return plan, mbs, stats
+
+    def _mtp_args(self, mb: dict, counts) -> dict | None:
+        if self.mtp is None:
+            return None
+        packed = mb["packed"]
+        # token-aligned loss mask over prompt + response ids, as the policy's (packed without shift)
+        mask = pack_per_token([s.to(torch.bool) for s in mb["_token_masks"]], packed, False)
+        targets = build_mtp_targets(
+            packed.input_ids,
+            self.mtp_config.num_depths,
+            packed.cu_seqlens,
+            mask,
+            packed.valid_mask,
+            self.pad_token_id,
+            IGNORE,
+        )
+        targets.embed_ids, targets.labels = targets.embed_ids.to(self.device), targets.labels.to(self.device)
+        return {
+            "targets": targets,
+            "loss_scale": self.mtp_config.loss_scale,
+            "counts": counts,
+            "local": targets,
+        }
+
+    # ---- public operations ----------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Sequence[dict]) -> list[torch.Tensor]:
+        """Token-aligned log-probs of every sample under the current weights (position 0 is 0)."""
+        plan, mbs, _ = self._micro_batches(samples, {})
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for indices, mb in zip(plan, mbs):
+            logp, _, _, _ = self.module(mb, self.config.logprob_chunk_size, self.config.temperature, None)
+            pieces = (
+                torch.split(logp.float().cpu()[: sum(mb["packed"].seq_lens)], mb["packed"].seq_lens)
+                if not any(mb["packed"].seq_pad)
+                else self._unpack(logp.float().cpu(), mb["packed"])
+            )
+            for i, pred in zip(indices, pieces):
+                out[i] = torch.cat([pred.new_zeros(1), pred[:-1]])  # prediction -> token alignment
+        return out
+
+    @staticmethod
+    def _unpack(x: torch.Tensor, packed) -> list[torch.Tensor]:
+        from areal_npu.data.packed_layout import unpack_per_token
+
+        return unpack_per_token(x, packed)
+
+    def train_step(
+        self, samples: Sequence[dict], loss: str = "ppo", step: int | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's ``samples``; returns global stats (see :meth:`forward_backward`)."""
+        stats = self.forward_backward(samples, loss, step)
+        stats.update(self.optimizer_step(step))
+        return stats
+
+    def forward_backward(
+        self, samples: Sequence[dict], loss: str = "ppo", step: int | None = None
+    ) -> dict[str, float]:
+        """Accumulate the gradients of one step over packed micro-batches; returns global stats.
+
+        ``loss="ppo"``: samples carry ``loss_mask``, ``behave_logp``, ``prox_logp`` (from
+        :meth:`compute_logprobs`), ``versions`` and a scalar ``advantage``. ``loss="sft"``: only
+        ``input_ids`` and ``loss_mask``; the loss is the token-mean negative log-likelihood.
+        Either way the MTP auxiliary loss is added when the head trains.
+        """
+        step = self.version if step is None else step
+        if loss not in ("ppo", "sft"):
+            raise ValueError(f"loss must be 'ppo' or 'sft', got {loss!r}")
+        samples = [dict(s) for s in samples]
+        if loss == "ppo":
+            nonfinite_guard(
+                step,
+                per_sample={"advantage": torch.stack([s["advantage"] for s in samples])},
+                per_token={
+                    "behave_logp": torch.cat([s["behave_logp"] for s in samples]),
+                    "prox_logp": torch.cat([s["prox_logp"] for s in samples]),
+                },
+                token_mask=torch.cat([s["loss_mask"] for s in samples]),
+            )
+            for s in samples:
+                s["adv_tok"] = s["advantage"].expand_as(s["behave_logp"]).clone()
+            fields = {
+                "loss_mask": False,
+                "behave_logp": 0.0,
+                "prox_logp": 0.0,
+                "versions": -1,
+                "adv_tok": 0.0,
+            }
+        else:
+            fields = {"loss_mask": False}
+        plan, mbs, pack_stats = self._micro_batches(samples, fields)
+        for indices, mb in zip(plan, mbs):
+            mb["_token_masks"] = [samples[i]["loss_mask"] for i in indices]
+
+        n_tokens = all_reduce_sum([float(sum(int(mb["loss_mask"].sum()) for mb in mbs))])[0]
+        n_seqs = all_reduce_sum([float(sum(bool(s["loss_mask"][1:].any()) for s in samples))])[0]
+        denominator = n_tokens if self.ppo_config.loss_agg == "token-mean" or loss == "sft" else n_seqs
+        mtp_counts = None
+        mtp_args_per_mb = [None] * len(mbs)
+        if self.mtp is not None and mtp_mode(self.mtp_config) in ("joint", "mtp_only"):
+            mtp_args_per_mb = [self._mtp_args(mb, None) for mb in mbs]
+            local = [
+                sum(a["local"].valid_counts()[d] for a in mtp_args_per_mb)
+                for d in range(self.mtp_config.num_depths)
+            ]
+            mtp_counts = [int(c) for c in all_reduce_sum([float(c) for c in local])]
+            for a in mtp_args_per_mb:
+                a["counts"] = mtp_counts
+        world = dist.get_world_size()
+        policy_trains = mtp_mode(self.mtp_config) != "mtp_only"
+
+        self.optimizer.zero_grad(set_to_none=True)
+        per_mb_stats = []
+        for i, mb in enumerate(mbs):
+            last = i == len(mbs) - 1
+            self.module.set_requires_gradient_sync(last)
+            logp, entropy, aux, aux_stats = self.module(
+                mb, self.config.logprob_chunk_size, self.config.temperature, mtp_args_per_mb[i]
+            )
+            if loss == "ppo":
+                main, stats = decoupled_ppo_loss(
+                    logp,
+                    mb["adv_tok"],
+                    mb["loss_mask"],
+                    logp_behave=mb["behave_logp"],
+                    logp_prox=mb["prox_logp"],
+                    config=self.ppo_config,
+                    global_denominator=denominator,
+                    cu_seqlens=mb["cu_seqlens"],
+                    entropy=entropy.detach(),
+                    versions=mb["versions"],
+                    policy_version=self.version,
+                )
+                stats = {k: float(v) for k, v in stats.items()}
+            else:
+                mask = mb["loss_mask"]
+                main = -(torch.where(mask, logp, torch.zeros_like(logp))).sum() / max(denominator, 1.0)
+                n = max(int(mask.sum()), 1)
+                stats = {
+                    "sft/nll": float(-(logp.detach() * mask).sum() / n),
+                    "sft/entropy": float((entropy.detach() * mask).sum() / n),
+                }
+            total = (main if policy_trains else main.detach() * 0) + (aux if aux is not None else 0.0)
+            # FSDP averages gradients over ranks; the loss is already a global mean, so undo that.
+            (total * world).backward()
+            stats.update(aux_stats)
+            per_mb_stats.append((float(mb["loss_mask"].sum()), stats))
+        self.module.set_requires_gradient_sync(True)
+        stats = _merge_stats(per_mb_stats)
+        stats.update(pack_stats)
+        stats["train/n_tokens"] = n_tokens
+        return stats
+
+    def optimizer_step(self, step: int | None = None) -> dict[str, float]:
+        """Clip, check and apply the accumulated gradients; bumps the weight version."""
+        step = self.version if step is None else step
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        clip = self.config.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(
+                step, "grad_norm", f"step {step}: gradient norm is {grad_norm}; update not applied"
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.version += 1
+        return {
+            "train/grad_norm": grad_norm,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/version": float(self.version),
+        }
+
+    # ---- weights --------------------------------------------------------------------------------
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, full CPU tensor) for every parameter; collective: all ranks iterate."""
+        for name, param in self.module.state_dict().items():
+            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+            if name.startswith("lm."):
+                yield name[len("lm.") :], tensor.detach().cpu()
+            elif name.startswith("mtp.") and not name.startswith("mtp.rotary_emb"):
+                yield name, tensor.detach().cpu()
+
+    def export_buckets(self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")):
+        """Weights for the rollout sync in size-bounded buckets: ``(kind, [(name, tensor), ...])``.
+
+        ``kind`` is ``policy`` or ``mtp`` (vLLM loads the drafter separately). Frozen parts are
+        skipped (a frozen head was loaded once by the engine). Collective: every rank iterates.
+        """
+        mode = mtp_mode(self.mtp_config)
+        wanted = {
+            "policy": mode != "mtp_only" and "policy" in kinds,
+            "mtp": mode in ("joint", "mtp_only") and "mtp" in kinds,
+        }
+        bucket: list = []
+        size = 0
+        current = None
+        for name, tensor in self.full_state_dict():
+            kind = "mtp" if name.startswith("mtp.") else "policy"
+            if not wanted[kind]:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and (kind != current or size + nbytes > bucket_bytes):
+                yield current, bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+            current = kind
+        if bucket:
+            yield current, bucket
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        was = self.module.training
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train(was)
