@@ -27,18 +27,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from areal_npu.config import ExperimentConfig, load_config, to_yaml
+    from areal_npu.config import load_config, to_yaml
+    from areal_npu.recipe import RLConfig
 
-    cfg = load_config(ExperimentConfig, args.recipe, args.overrides)
+    cfg = load_config(RLConfig, args.recipe, args.overrides)
     if args.check:
         print(to_yaml(cfg), end="")
         return 0
-    print(
-        "areal-npu train: the asynchronous RL loop has not landed yet (see the controller issue); "
-        "the recipe is valid (--check prints it resolved).",
-        file=sys.stderr,
-    )
-    return EXIT_NOT_AVAILABLE
+    from areal_npu.run import run_rl
+
+    summary = run_rl(cfg, resume=args.resume)
+    print(json.dumps(summary))
+    return 0
 
 
 def _not_yet(name: str, issue: str):
@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("report", help="plots and a markdown summary of a run directory")
-    p.add_argument("run_dir")
-    p.set_defaults(func=_not_yet("report", "arrives with the RL loop"))
+    from areal_npu import report
+
+    report.add_arguments(p)
+    p.set_defaults(func=report.run)
 
     from areal_npu import plan_cli
 

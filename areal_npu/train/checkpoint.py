@@ -62,12 +62,32 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
+    """The engine's weights as a Hugging Face checkpoint (with ``mtp.*``) that vLLM loads as is.
+    Collective unless ``tensors`` (the full state) is given; only rank 0 writes."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tensors = dict(engine.full_state_dict()) if tensors is None else tensors
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(out / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        if engine.mtp is not None:
+            engine.lm.config.mtp_num_hidden_layers = engine.mtp.num_layers
+        engine.lm.config.save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+    return out
+
+
 def save_checkpoint(
     engine, root: str | Path, extra: dict | None = None, tokenizer=None, keep_last: int = 2
 ) -> Path:
     """Write ``<root>/step_<version>`` atomically; collective (every rank calls it)."""
-    from safetensors.torch import save_file
-
     root = Path(root)
     rank = dist.get_rank() if dist.is_initialized() else 0
     name = f"step_{engine.version}"
@@ -82,15 +102,8 @@ def save_checkpoint(
         engine.module, engine.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    write_hf_checkpoint(engine, tmp, tokenizer, tensors)
     if rank == 0:
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(tmp / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
-        engine.lm.config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
         torch.save(optim, tmp / "optim.pt")
         state = {"version": engine.version, "scheduler": engine.scheduler.state_dict(), "extra": extra or {}}
         _write_atomic(tmp / "trainer_state.json", json.dumps(state, indent=2, default=str))

@@ -383,14 +383,18 @@ class FSDPEngine:
     def optimizer_step(self, step: int | None = None) -> dict[str, float]:
         """Clip, check and apply the accumulated gradients; bumps the weight version."""
         step = self.version if step is None else step
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
         clip = self.config.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        if not math.isfinite(grad_norm):
+        # Clipped per group (policy, MTP head): a joint clip would let the head's gradient rescale
+        # the policy's update, breaking the head's isolation from the backbone.
+        norms = []
+        for group in self.optimizer.param_groups:
+            norm = torch.nn.utils.clip_grad_norm_(group["params"], clip if clip > 0 else float("inf"))
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        grad_norm = norms[0]
+        if not all(math.isfinite(n) for n in norms):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(
-                step, "grad_norm", f"step {step}: gradient norm is {grad_norm}; update not applied"
+                step, "grad_norm", f"step {step}: gradient norms {norms}; update not applied"
             )
         self.optimizer.step()
         self.scheduler.step()

@@ -1,0 +1,152 @@
+"""Workflows: how one task becomes a group of trajectories (chosen by dotted path in the recipe).
+
+A workflow talks to the rollout engines through the client in token ids only and returns
+:class:`~areal_npu.data.trajectory.Trajectory` objects whose response tokens keep the engine's ids,
+behaviour log-probs and weight versions. Rewards come from the sandbox (run in a thread, so the
+event loop keeps feeding the engines).
+
+- :class:`SingleTurn`: prompt -> answer -> reward; the group is ``n`` samples of one request.
+- :class:`MultiTurn`: the answer is graded; on failure the environment's feedback is appended as
+  tokens (``loss_mask`` 0, version -1) and the model answers again, up to ``max_turns``; the reward
+  is the last answer's, discounted by ``turn_discount`` per extra turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from dataclasses import dataclass
+
+from areal_npu.agent.reward import reward_many
+from areal_npu.agent.tasks import Task, format_prompt
+from areal_npu.data.trajectory import Trajectory
+
+
+@dataclass
+class WorkflowConfig:
+    path: str = "areal_npu.agent.workflows.SingleTurn"
+    group_size: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int = 2  # MultiTurn only
+    turn_discount: float = 0.5  # MultiTurn only: reward * discount ** (turns - 1)
+    reward_workers: int = 2  # concurrent sandboxes per workflow call
+
+    def validate(self) -> None:
+        if "." not in self.path:
+            raise ValueError(
+                f"path must be a dotted path like areal_npu.agent.workflows.SingleTurn, got {self.path!r}"
+            )
+        if self.group_size < 1:
+            raise ValueError("group_size must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0 (RL samples; greedy has no exploration)")
+        if self.max_turns < 1:
+            raise ValueError("max_turns must be >= 1")
+        if not 0 < self.turn_discount <= 1:
+            raise ValueError("turn_discount must be in (0, 1]")
+
+
+def load_workflow(cfg: WorkflowConfig, tokenizer):
+    module_name, _, class_name = cfg.path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"path {cfg.path!r} does not name a workflow class: {exc}") from None
+    return cls(cfg, tokenizer)
+
+
+class SingleTurn:
+    def __init__(self, cfg: WorkflowConfig, tokenizer):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.stop_ids = [tokenizer.encode("\n", add_special_tokens=False)[0], tokenizer.eos_token_id]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def sample(self, client, input_ids: list[int], n: int):
+        result = await client.generate(
+            input_ids,
+            max_tokens=self.cfg.max_new_tokens,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            stop_token_ids=self.stop_ids,
+            n=n,
+        )
+        if result.failed:
+            raise RuntimeError(f"generation failed after {result.attempts} attempts: {result.error}")
+        return result.samples
+
+    async def grade(self, tasks: list[Task], samples) -> list[tuple[float, str]]:
+        texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
+        return await asyncio.to_thread(reward_many, tasks, texts, self.cfg.reward_workers)
+
+    async def run(self, task: Task, client, group_id: int) -> list[Trajectory]:
+        prompt = self.encode(format_prompt(task))
+        samples = await self.sample(client, prompt, self.cfg.group_size)
+        graded = await self.grade([task] * len(samples), samples)
+        return [
+            Trajectory(
+                prompt,
+                list(s.output_ids),
+                list(s.logprobs),
+                list(s.versions),
+                reward=r,
+                group_id=group_id,
+                finish_reason=s.finish_reason or "",
+                meta={"reason": why, "family": task.family, "spec": s.spec},
+            )
+            for s, (r, why) in zip(samples, graded)
+        ]
+
+
+class MultiTurn(SingleTurn):
+    """Retry with feedback: ``# f(<input>) should be <expected>\\nf(x)=`` after a failed answer."""
+
+    def feedback(self, task: Task) -> str:
+        x, y = task.examples[0]
+        return f"# f({x!r}) should be {y!r}\nf(x)="
+
+    async def episode(self, task: Task, client, prompt: list[int], group_id: int) -> Trajectory:
+        response: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        mask: list[int] = []
+        reward, reason, turns = 0.0, "no_program", 0
+        for turn in range(self.cfg.max_turns):
+            turns = turn + 1
+            (sample,) = await self.sample(client, prompt + response, 1)
+            response += sample.output_ids
+            logprobs += sample.logprobs
+            versions += sample.versions
+            mask += [1] * len(sample.output_ids)
+            ((reward, reason),) = await self.grade([task], [sample])
+            if reward >= 1.0 or turn == self.cfg.max_turns - 1:
+                break
+            env = self.encode(self.feedback(task))
+            response += env
+            logprobs += [0.0] * len(env)
+            versions += [-1] * len(env)
+            mask += [0] * len(env)
+        return Trajectory(
+            prompt,
+            response,
+            logprobs,
+            versions,
+            reward=reward * self.cfg.turn_discount ** (turns - 1),
+            loss_mask=mask,
+            group_id=group_id,
+            meta={"reason": reason, "turns": turns, "family": task.family},
+        )
+
+    async def run(self, task: Task, client, group_id: int) -> list[Trajectory]:
+        prompt = self.encode(format_prompt(task))
+        return list(
+            await asyncio.gather(
+                *(self.episode(task, client, prompt, group_id) for _ in range(self.cfg.group_size))
+            )
+        )

@@ -1,0 +1,97 @@
+"""The RL recipe: every component's config composed into one, plus the cross-component checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_npu.agent.tasks import TaskConfig
+from areal_npu.agent.workflows import WorkflowConfig
+from areal_npu.algo.ppo import PPOConfig
+from areal_npu.config import ConfigError, ExperimentConfig
+from areal_npu.model.mtp import MTPConfig
+from areal_npu.model.tiny import TinyModelConfig
+from areal_npu.rollout.config import RolloutConfig
+from areal_npu.train.engine import TrainEngineConfig
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a Hugging Face checkpoint with mtp.* weights; "" builds the tiny Qwen3.5 + MTP model
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start of policy and MTP head on the task's reference answers."""
+
+    steps: int = 0
+    batch_size: int = 64
+    lr: float = 2e-3
+    log_every: int = 25
+
+    def validate(self) -> None:
+        if self.steps < 0:
+            raise ValueError("steps must be >= 0")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if not self.lr > 0:
+            raise ValueError("lr must be > 0")
+
+
+@dataclass
+class GRPOConfig:
+    std_normalize: bool = True  # false: Dr.GRPO (mean-centred only)
+
+
+@dataclass
+class ControllerConfig:
+    steps: int = 20  # RL training steps
+    batch_groups: int = 8  # prompt groups per step (each group_size trajectories)
+    max_staleness: int = 1  # 0: synchronous RL
+    max_concurrent_groups: int = 16
+    checkpoint_every: int = 5  # 0: only at the end
+    eval_every: int = 0
+
+    def validate(self) -> None:
+        for key in ("steps", "batch_groups", "max_concurrent_groups"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0 (0 is synchronous RL)")
+        if self.checkpoint_every < 0:
+            raise ValueError("checkpoint_every must be >= 0")
+
+
+@dataclass
+class RLConfig(ExperimentConfig):
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    mtp: MTPConfig = field(default_factory=lambda: MTPConfig(enabled=True))
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        spec = self.rollout.spec
+        if spec.enabled and spec.is_mtp and not self.mtp.enabled:
+            raise ConfigError(
+                "rollout.spec.method", f"{spec.method!r} drafts with the MTP head, but mtp.enabled is false"
+            )
+        if self.mtp.enabled and not self.mtp.train and spec.sync_draft and spec.is_mtp:
+            raise ConfigError(
+                "rollout.spec.sync_draft",
+                "must be false with a frozen MTP head (mtp.train=false): the drafter is loaded once",
+            )
+        if self.rollout.model:
+            raise ConfigError("rollout.model", "is set by the trainer (the policy it trains); use model.path")
+        if self.workflow.max_new_tokens + 64 > self.rollout.max_model_len:
+            raise ConfigError(
+                "rollout.max_model_len", "leaves no room for the prompt plus workflow.max_new_tokens"
+            )
+        if self.controller.batch_groups > self.task.n_train:
+            raise ConfigError("controller.batch_groups", "exceeds task.n_train")

@@ -1,0 +1,167 @@
+"""``areal-npu train RECIPE``: set up a run directory, warm-start, launch the engines, run the loop.
+
+Run directory: ``config.yaml`` (resolved), ``metrics.jsonl``, ``tb/``, ``base_model/`` (the tiny
+model when no checkpoint is given), ``warmstart/`` (the SFT-warm-started policy + MTP head the
+engines start from), ``checkpoints/step_N`` (atomic; ``--resume`` continues after the latest),
+``engines/`` (engine logs). Child processes are stopped on every exit path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from areal_npu.config import ConfigError, to_yaml
+from areal_npu.recipe import RLConfig
+
+
+def warm_start(cfg: RLConfig, base_dir: Path, tasks, out_dir: Path, console) -> Path:
+    """SFT of policy and MTP head on the reference answers; writes an HF checkpoint with ``mtp.*``."""
+    from transformers import AutoTokenizer
+
+    from areal_npu.agent.tasks import sft_pairs
+    from areal_npu.controller import warm_start_samples
+    from areal_npu.model.mtp_checkpoint import load_model_with_mtp
+    from areal_npu.train.checkpoint import write_hf_checkpoint
+    from areal_npu.train.engine import FSDPEngine
+    from areal_npu.train.optim import OptimConfig
+
+    w = cfg.warmstart
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    lm, mtp = load_model_with_mtp(base_dir, cfg.mtp)
+    optim = OptimConfig(
+        lr=w.lr,
+        warmup_steps=min(20, w.steps // 10),
+        schedule="cosine",
+        total_steps=w.steps + 1,
+        min_lr_ratio=0.1,
+    )
+    train_cfg = dataclasses.replace(cfg.train, optim=optim)
+    engine = FSDPEngine(lm, mtp, train_cfg, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id)
+    samples = warm_start_samples(tokenizer, sft_pairs(tasks))
+    rng = random.Random(cfg.seed)
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=False) as progress:
+        bar = progress.add_task("warm start (SFT policy + MTP)", total=w.steps)
+        for step in range(w.steps):
+            stats = engine.train_step(rng.sample(samples, min(w.batch_size, len(samples))), "sft")
+            if step % w.log_every == 0 or step == w.steps - 1:
+                keys = ("sft/nll", "mtp/loss_d1", "mtp/acc_d1")
+                progress.console.print(
+                    f"warm start {step + 1}/{w.steps}: "
+                    + "  ".join(f"{k} {stats[k]:.3f}" for k in keys if k in stats)
+                )
+            progress.advance(bar)
+    write_hf_checkpoint(engine, out_dir, tokenizer)
+    del engine
+    return out_dir
+
+
+async def _run_loop(
+    cfg: RLConfig, engine, tokenizer, tasks, run_dir, logger, start_step, engines, rollout_cfg
+):
+    from areal_npu.agent.workflows import load_workflow
+    from areal_npu.controller import RLController
+    from areal_npu.rollout.client import RolloutClient
+
+    controller_ref: dict = {}
+
+    async def on_restart(i: int) -> None:
+        # A restarted engine serves the checkpoint it was started from: bring it to the current weights.
+        controller = controller_ref.get("c")
+        if controller is not None and controller.last_named is not None:
+            await controller.client.update_weights(
+                controller.last_named, controller.version, sync_draft=controller.sync_draft
+            )
+
+    client = RolloutClient.from_config(rollout_cfg, engines, on_restart=on_restart)
+    try:
+        controller = RLController(cfg, engine, tokenizer, client, tasks, run_dir, logger, start_step)
+        controller_ref["c"] = controller
+        if start_step > 0:
+            await controller.push_weights()  # engines restarted from the checkpoint: tag their version
+        return await controller.run(load_workflow(cfg.workflow, tokenizer))
+    finally:
+        await client.aclose()
+
+
+def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
+    """The whole job; returns a summary (start/end reward, steps, seconds)."""
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from areal_npu.agent.tasks import make_splits
+    from areal_npu.metrics import StatsLogger
+    from areal_npu.model.mtp_checkpoint import load_model_with_mtp
+    from areal_npu.model.tiny import save_tiny_model
+    from areal_npu.rollout.launcher import launch_engines
+    from areal_npu.train.checkpoint import latest_checkpoint, load_checkpoint
+    from areal_npu.train.dist import init_distributed
+    from areal_npu.train.engine import FSDPEngine
+
+    console = Console()
+    start_time = time.time()
+    run_dir = Path(cfg.run_dir)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume else None
+    if resume and checkpoint is None:
+        raise ConfigError("--resume", f"no checkpoint under {run_dir / 'checkpoints'} to resume from")
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(
+            "run_dir", f"{run_dir} already holds a run: pass --resume, or choose another name/run_dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    init_distributed()
+    train_tasks, _ = make_splits(cfg.task)
+
+    if checkpoint is not None:
+        policy_dir = checkpoint
+    else:
+        base = (
+            Path(cfg.model.path)
+            if cfg.model.path
+            else save_tiny_model(run_dir / "base_model", cfg.model.tiny)
+        )
+        policy_dir = (
+            warm_start(cfg, base, train_tasks, run_dir / "warmstart", console)
+            if cfg.warmstart.steps
+            else base
+        )
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    lm, mtp = load_model_with_mtp(policy_dir, cfg.mtp)
+    engine = FSDPEngine(lm, mtp, cfg.train, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id)
+    start_step = 0
+    logger = StatsLogger(run_dir, cfg.controller.steps)
+    if checkpoint is not None:
+        extra = load_checkpoint(engine, checkpoint)
+        start_step = int(extra["step"]) + 1
+        logger.truncate_after(int(extra["step"]))
+        console.print(f"resumed from {checkpoint} at step {start_step} (weight version {engine.version})")
+
+    rollout_cfg = dataclasses.replace(cfg.rollout, model=str(policy_dir), log_dir=str(run_dir / "engines"))
+    with console.status(f"starting {rollout_cfg.num_engines} vLLM engine(s) on {policy_dir.name}"):
+        engines = launch_engines(rollout_cfg)
+    try:
+        history = asyncio.run(
+            _run_loop(cfg, engine, tokenizer, train_tasks, run_dir, logger, start_step, engines, rollout_cfg)
+        )
+    finally:
+        for e in engines:
+            e.stop()
+        logger.close()
+    rewards = [h["reward/mean"] for h in history]
+    return {
+        "steps": len(history),
+        "start_step": start_step,
+        "seconds": time.time() - start_time,
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+    }

@@ -1,0 +1,142 @@
+"""`areal-npu report` on synthetic run directories.
+
+The metrics file is written here with the json module (not with StatsLogger), the reward summary is
+checked against means computed here, and the PNGs are checked by their signature and IHDR header.
+"""
+
+import json
+import math
+import random
+import struct
+
+import pytest
+
+from areal_npu.cli import main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ALL_PLOTS = {"reward", "spec_accept", "mtp", "imp_weight", "version_lag", "step_time", "perf"}
+
+
+def _write_run(run_dir, rows, config=None):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    if config is not None:
+        (run_dir / "config.yaml").write_text(config)
+
+
+def _full_rows(n=23, seed=0):
+    rng = random.Random(seed)
+    rows = []
+    for step in range(1, n + 1):
+        mean = 0.2 + 0.02 * step + rng.uniform(-0.05, 0.05)
+        rows.append(
+            {
+                "step": step,
+                "time": 1_700_000_000.0 + 10.0 * step,
+                "reward/mean": mean,
+                "reward/min": mean - 0.2,
+                "reward/max": mean + 0.2,
+                "rollout/spec_accept_rate": rng.uniform(0.5, 0.7),
+                "rollout/spec_mean_accepted_len": rng.uniform(1.8, 2.4),
+                "rollout/spec_accept_rate_pos0": 0.8,
+                "rollout/spec_accept_rate_pos1": 0.5,
+                "rollout/spec_k": 2,
+                "mtp/loss_d1": 3.0 - 0.05 * step,
+                "mtp/acc_d1": 0.3 + 0.01 * step,
+                "ppo/behave_imp_weight/mean": rng.uniform(0.98, 1.02),
+                "ppo/behave_imp_weight/min": 0.9,
+                "ppo/behave_imp_weight/max": 1.1,
+                "ppo/version_lag/mean": 0.5,
+                "ppo/version_lag/max": 1,
+                "staleness/max": 1,
+                "timing/gen_s": 5.0,
+                "timing/reward_s": 0.3,
+                "timing/prox_s": 0.6,
+                "timing/train_s": 2.0,
+                "timing/sync_s": 0.4,
+                "timing/step_s": 8.5,
+                "perf/step_speedup_bound": 1.4,
+                "perf/gen_fraction": 0.59,
+            }
+        )
+    return rows
+
+
+def _assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 0 and height > 0
+
+
+def test_full_report(tmp_path, capsys):
+    rows = _full_rows()
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    _write_run(run_dir, rows, config="name: demo-run\nseed: 3\n")
+    assert main(["report", str(run_dir), "--out", str(out)]) == 0
+
+    printed = capsys.readouterr().out.split()
+    assert {p.rsplit("/", 1)[-1] for p in printed} == {f"{p}.png" for p in ALL_PLOTS} | {"report.md"}
+    assert {p.name for p in out.iterdir()} == {f"{p}.png" for p in ALL_PLOTS} | {"report.md"}
+    for name in ALL_PLOTS:
+        _assert_png(out / f"{name}.png")
+
+    # independent reference: first and last ~20 % (ceil(n / 5) steps) of reward/mean
+    rewards = [r["reward/mean"] for r in rows]
+    k = math.ceil(len(rewards) / 5)
+    start, end = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    md = (out / "report.md").read_text()
+    assert "demo-run" in md
+    assert f"start {start:.4f}" in md and f"end {end:.4f}" in md and f"change {end - start:+.4f}" in md
+    assert f"{rows[-1]['rollout/spec_accept_rate']:.4f}" in md
+    imp = [r["ppo/behave_imp_weight/mean"] for r in rows]
+    assert f"{sum(imp) / len(imp):.4f}" in md
+    assert f"{8.5 * len(rows):.1f} s" in md  # total step time
+    assert f"| `reward/mean` | {rows[-1]['reward/mean']:.4f} |" in md
+    for name in ALL_PLOTS:
+        assert f"]({name}.png)" in md
+    assert "Missing" not in md
+
+
+def test_default_out_dir_and_duplicated_steps(tmp_path):
+    rows = _full_rows(n=10)
+    # a resume that did not truncate: step 9 and 10 logged twice, the later lines win
+    rerun = [dict(r, **{"reward/mean": 5.0}) for r in rows[-2:]]
+    _write_run(tmp_path, rows + rerun)
+    assert main(["report", str(tmp_path)]) == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Steps: 1–10 (10 logged)" in md
+    assert "end 5.0000" in md  # last ceil(10/5) = 2 steps, both re-logged at 5.0
+
+
+def test_missing_keys_are_skipped(tmp_path, capsys):
+    rows = [{"step": s, "time": 1.0 * s, "reward/mean": 0.1 * s, "timing/gen_s": 1.0} for s in range(1, 6)]
+    _write_run(tmp_path, rows)
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
+    written = {p.name for p in (tmp_path / "r").iterdir()}
+    assert written == {"reward.png", "step_time.png", "report.md"}
+    _assert_png(tmp_path / "r" / "reward.png")
+    md = (tmp_path / "r" / "report.md").read_text()
+    for name in ALL_PLOTS - {"reward", "step_time"}:
+        assert name in md.split("## Missing from metrics.jsonl")[1]
+    assert "`rollout/spec_accept_rate`" in md and "`ppo/behave_imp_weight/mean`" in md
+    # rewards 0.1..0.5: first and last ceil(5/5) = 1 step
+    assert "start 0.1000" in md and "end 0.5000" in md
+
+
+@pytest.mark.parametrize("content", [None, "", "\n\n"])
+def test_missing_or_empty_metrics_exit_2(tmp_path, capsys, content):
+    if content is not None:
+        (tmp_path / "metrics.jsonl").write_text(content)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl" in err and "Traceback" not in err
+    assert not (tmp_path / "report").exists()
+
+
+def test_missing_run_dir_exit_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
