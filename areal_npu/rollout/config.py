@@ -1,0 +1,236 @@
+"""Typed configuration of the rollout engines: vLLM engine settings plus speculative decoding.
+
+Validated before any process starts (``validate()`` raises ``ValueError`` / ``ConfigError`` whose
+message starts with the field name). Known limits enforced here, each with the reason:
+
+* Ascend's fused attention verifies at most 16 tokens per decode step: ``k + 1 <= 16`` on NPU.
+* ``top_k`` together with any speculative method kills the vLLM 0.32 engine on CPU (empty ``max()``
+  in the rejection sampler), so it is rejected up front (``top_p`` works).
+* Only ``raw_logprobs`` are trustworthy under speculation in vLLM 0.32 (``processed_logprobs``
+  returns -ln V, 0 or NaN), so the behaviour log-prob mode is fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_npu.config import ConfigError
+
+#: Methods vLLM accepts that draft from the model's own multi-token-prediction layers.
+#: Model-specific names normalise to ``mtp`` inside vLLM (checked against vLLM in the tests).
+MTP_ALIASES = (
+    "mtp",
+    "qwen3_5_mtp",
+    "qwen3_next_mtp",
+    "deepseek_mtp",
+    "mimo_mtp",
+    "glm4_moe_mtp",
+    "ernie_mtp",
+    "longcat_flash_mtp",
+    "pangu_ultra_moe_mtp",
+)
+DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+SPEC_METHODS = (*MTP_ALIASES, *DRAFT_MODEL_METHODS, "ngram")
+PER_REQUEST_METRICS = ("none", "summary", "detailed")
+WEIGHT_TRANSPORTS = ("auto", "rpc", "hccl", "npu_ipc", "nccl", "cuda_ipc")
+ASCEND_MAX_VERIFY_TOKENS = 16
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding. ``method=None`` (or ``num_speculative_tokens=0``) switches it off."""
+
+    method: str | None = None  # one of SPEC_METHODS
+    num_speculative_tokens: int = 0  # k drafts per verify step
+    draft_model: str | None = None  # path, for draft_model / eagle / eagle3
+    draft_enforce_eager: bool = True  # no graph capture for the drafter
+    # The MTP head is trained with the policy: weight updates carry mtp.* too. False = frozen head:
+    # the drafter is loaded once from the checkpoint and never touched.
+    sync_draft: bool = True
+    prompt_lookup_max: int = 4  # ngram only
+    prompt_lookup_min: int = 2  # ngram only
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None and self.num_speculative_tokens > 0
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.method in MTP_ALIASES
+
+    def validate(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"method {self.method!r} is not a known speculative method; valid: "
+                f"{', '.join(SPEC_METHODS)} (or null to switch speculation off)"
+            )
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0; got {self.num_speculative_tokens}")
+        if self.method is not None and self.num_speculative_tokens == 0:
+            raise ValueError(f"num_speculative_tokens must be >= 1 when method is {self.method!r}")
+        if self.method in DRAFT_MODEL_METHODS and not self.draft_model:
+            raise ValueError(f"draft_model (a path) is required for method {self.method!r}")
+        if self.draft_model and self.method not in DRAFT_MODEL_METHODS:
+            raise ValueError(
+                f"draft_model is only used by {', '.join(DRAFT_MODEL_METHODS)}; method is {self.method!r}"
+            )
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be in [1, prompt_lookup_max]")
+
+    def vllm_dict(self) -> dict[str, Any] | None:
+        """The ``speculative_config`` vLLM takes, or None when speculation is off."""
+        if not self.enabled:
+            return None
+        out: dict[str, Any] = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "enforce_eager": self.draft_enforce_eager,
+        }
+        if self.draft_model:
+            out["model"] = self.draft_model
+        if self.method == "ngram":
+            out["prompt_lookup_max"] = self.prompt_lookup_max
+            out["prompt_lookup_min"] = self.prompt_lookup_min
+        return out
+
+
+@dataclass
+class RolloutConfig:
+    """One or more identical vLLM engine processes serving the policy on 127.0.0.1."""
+
+    model: str = ""  # HF checkpoint directory
+    num_engines: int = 1  # data-parallel rollout engines, one process each
+    host: str = "127.0.0.1"
+    base_port: int = 0  # 0: pick free ports
+    device: str = "auto"  # auto | npu | cuda | cpu (decides transports and the Ascend limits)
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    seed: int = 0
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = False  # a cache computed with old weights would leak across updates
+    kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
+    gpu_memory_utilization: float = 0.8  # NPU / CUDA
+    tensor_parallel_size: int = 1
+    top_k: int = -1  # default top_k for requests; > 0 is refused together with speculation
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    max_retries: int = 2  # per request, after an engine failure
+    restart_on_failure: bool = True
+    weight_transport: str = "auto"  # auto | rpc | hccl | npu_ipc | nccl | cuda_ipc
+    weight_bucket_bytes: int = 256 << 20
+    log_dir: str = ""  # engine logs; "" = a temporary directory
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)  # --key value passed to vLLM
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def device_type(self) -> str:
+        if self.device != "auto":
+            return self.device
+        from areal_npu.platform import current_platform
+
+        return current_platform().device_type
+
+    def resolved_transport(self) -> str:
+        if self.weight_transport != "auto":
+            return self.weight_transport
+        return {"npu": "hccl", "cuda": "nccl"}.get(self.device_type(), "rpc")
+
+    def validate(self) -> None:
+        # `model` may be empty in a recipe (the trainer fills in the policy it trains); the
+        # launcher refuses to start without one.
+        if self.num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1; got {self.num_engines}")
+        if self.device not in ("auto", "npu", "cuda", "cpu"):
+            raise ValueError(f"device must be one of auto, npu, cuda, cpu; got {self.device!r}")
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(
+                f"weight_transport {self.weight_transport!r} unknown; valid: {', '.join(WEIGHT_TRANSPORTS)}"
+            )
+        if self.weight_bucket_bytes < 1 << 20:
+            raise ValueError("weight_bucket_bytes must be at least 1 MiB")
+        if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("startup_timeout_s and request_timeout_s must be > 0")
+        if self.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self.spec.validate()
+        if self.spec.enabled and self.top_k > 0:
+            raise ConfigError(
+                "top_k",
+                f"top_k={self.top_k} cannot be combined with speculative decoding "
+                f"(spec.method={self.spec.method!r}): vLLM 0.32's rejection sampler crashes the engine; "
+                "use top_p, or switch speculation off",
+            )
+        device = self.device_type()
+        k = self.spec.num_speculative_tokens
+        if self.spec.enabled and device == "npu" and k + 1 > ASCEND_MAX_VERIFY_TOKENS:
+            raise ConfigError(
+                "spec.num_speculative_tokens",
+                f"k={k}: on Ascend k + 1 must be <= {ASCEND_MAX_VERIFY_TOKENS} "
+                "(fused attention verifies at most 16 tokens per decode step)",
+            )
+        transport = self.resolved_transport()
+        allowed = {"cpu": ("rpc",), "npu": ("rpc", "hccl", "npu_ipc"), "cuda": ("rpc", "nccl", "cuda_ipc")}
+        if transport not in allowed[device]:
+            raise ValueError(
+                f"weight_transport {transport!r} does not exist on {device}; use one of {', '.join(allowed[device])}"
+            )
+
+    # ---- what the engine process is started with ----
+
+    def vllm_cli_args(self, port: int) -> list[str]:
+        """Arguments for vLLM's own OpenAI server parser (so its app and routes come for free)."""
+        args = [
+            "--model", self.model,
+            "--host", self.host,
+            "--port", str(port),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--seed", str(self.seed),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--logprobs-mode", "raw_logprobs",
+            "--worker-extension-cls", "areal_npu.rollout.worker_ext.WeightSyncExtension",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        args.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.device_type() != "cpu":
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        spec = self.spec.vllm_dict()
+        if spec is not None:
+            args += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
+        for key, value in self.extra_engine_args.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif value is not False and value is not None:
+                args += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+        return args
+
+    def engine_env(self) -> dict[str, str]:
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
+            # functions and pickled bytes travel through collective_rpc
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.device_type() == "npu":
+            env["VLLM_ASCEND_ENABLE_NZ"] = "0"  # RL weight updates need ND layouts (vLLM-Ascend docs)
+        return env
+
+    def to_json(self) -> str:
+        import dataclasses
+
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RolloutConfig:
+        data = dict(data)
+        spec = SpecConfig(**data.pop("spec", {}))
+        return cls(**data, spec=spec)
+
+
+def python_executable() -> str:
+    return sys.executable

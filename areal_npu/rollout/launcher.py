@@ -1,0 +1,259 @@
+"""Start, health-check, restart and stop rollout engine processes (one process group each).
+
+Each engine runs ``python -m areal_npu.rollout.server`` in a new session (``start_new_session``),
+so the server, vLLM's engine-core process and its workers form one process group that we kill as
+a whole: on ``stop()``, at interpreter exit (``atexit``), and on SIGTERM / SIGINT (Ctrl-C) -- no
+orphans. Start-up waits for ``/health`` with a timeout; a failed or slow start raises
+:class:`EngineStartError` carrying the tail of the engine's log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+
+from areal_npu.rollout.config import RolloutConfig
+
+LOG_TAIL_LINES = 40
+_LIVE: weakref.WeakSet[EngineProcess] = weakref.WeakSet()
+_INSTALLED = {"atexit": False, "signals": False}
+
+
+class EngineStartError(RuntimeError):
+    """The engine did not become healthy; the message ends with the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def cpu_binding(cfg: RolloutConfig, index: int) -> dict[str, str]:
+    """Disjoint CPU cores per engine on the CPU backend.
+
+    vLLM's CPU worker binds its OpenMP threads itself ("auto": the same cores for every engine on a
+    machine), so several data-parallel engines would all compute on the same cores. Each engine
+    gets its own slice of this process's cores instead, unless ``VLLM_CPU_OMP_THREADS_BIND`` is set.
+    """
+    if cfg.device_type() != "cpu" or cfg.num_engines < 2 or cfg.tensor_parallel_size != 1:
+        return {}
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    per_engine = max(1, len(cores) // cfg.num_engines)
+    start = (index * per_engine) % len(cores)
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores[start : start + per_engine])}
+
+
+def _kill_all_live(*_args) -> None:
+    for proc in list(_LIVE):
+        with contextlib.suppress(Exception):
+            proc.stop(grace_s=2.0)
+
+
+def _install_handlers() -> None:
+    """atexit + SIGTERM/SIGINT: kill every engine group, then let the previous handler run.
+
+    Signal handlers can only be set from the main thread; a start from another thread installs
+    them at the next start from the main thread (atexit covers the rest).
+    """
+    if not _INSTALLED["atexit"]:
+        atexit.register(_kill_all_live)
+        _INSTALLED["atexit"] = True
+    if _INSTALLED["signals"] or threading.current_thread() is not threading.main_thread():
+        return
+    _INSTALLED["signals"] = True
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(signum)
+
+        def handler(sig, frame, previous=previous):
+            _kill_all_live()
+            if callable(previous):
+                previous(sig, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+
+        signal.signal(signum, handler)
+
+
+class EngineProcess:
+    """One engine: ``start()`` (blocks until healthy), ``alive()``, ``restart()``, ``stop()``."""
+
+    def __init__(self, cfg: RolloutConfig, index: int = 0, port: int | None = None):
+        self.cfg = cfg
+        self.index = index
+        self.port = port or (cfg.base_port + index if cfg.base_port else 0)
+        self.proc: subprocess.Popen | None = None
+        self.pgid: int | None = None
+        self.restarts = 0
+        log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="areal-rollout-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"engine{index}.log"
+        self._lock = threading.RLock()  # re-entrant: a signal handler may stop() mid-stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "areal_npu.rollout.server",
+            "--config",
+            self.cfg.to_json(),
+            "--port",
+            str(self.port),
+        ]
+
+    def start(self) -> EngineProcess:
+        _install_handlers()
+        if not self.port or (self.restarts and not self.cfg.base_port):
+            self.port = free_port(self.cfg.host)
+        env = dict(os.environ)
+        env.update(self.cfg.engine_env())
+        env.update(cpu_binding(self.cfg, self.index))
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        log.write(f"\n==== start {time.strftime('%H:%M:%S')} port {self.port} ====\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        self.pgid = self.proc.pid  # session leader: its pid is the process group id
+        _LIVE.add(self)
+        try:
+            self.wait_healthy(self.cfg.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.proc.poll() if self.proc else -1
+            if code is not None:
+                raise EngineStartError(
+                    f"engine {self.index} exited with code {code} during start-up; log {self.log_path}:\n"
+                    + log_tail(self.log_path)
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineStartError(
+                    f"engine {self.index} not healthy after {timeout_s:.0f} s; log {self.log_path}:\n"
+                    + log_tail(self.log_path)
+                )
+            time.sleep(0.5)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        import httpx
+
+        if not self.alive():
+            return False
+        try:
+            return httpx.get(self.url + "/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def group_alive(self) -> bool:
+        """Whether any process of this engine's group still exists (orphan check)."""
+        if self.pgid is None:
+            return False
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the whole group, SIGKILL after ``grace_s``; reaps the leader."""
+        with self._lock:
+            if self.pgid is None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self.group_alive() and time.monotonic() < deadline:
+                if self.proc is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.proc.wait(timeout=0.1)
+                else:
+                    time.sleep(0.1)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pgid, signal.SIGKILL)
+            if self.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=5)
+            # children reparented to init are reaped by it; wait until the group is gone
+            deadline = time.monotonic() + 5
+            while self.group_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.pgid = None
+            _LIVE.discard(self)
+
+    def restart(self) -> None:
+        self.stop(grace_s=2.0)
+        self.restarts += 1
+        self.start()
+
+    def info(self) -> dict:
+        return {"index": self.index, "url": self.url, "pid": self.pgid, "log": str(self.log_path)}
+
+
+def launch_engines(cfg: RolloutConfig) -> list[EngineProcess]:
+    """Validate, then start ``cfg.num_engines`` engines concurrently; returns once all are healthy
+    (any failure stops them all and raises)."""
+    cfg.validate()
+    if not cfg.model:
+        raise ValueError("model must name a checkpoint directory")
+    from concurrent.futures import ThreadPoolExecutor
+
+    _install_handlers()  # from the main thread, before the start-up threads
+    engines = [EngineProcess(cfg, index=i) for i in range(cfg.num_engines)]
+    try:
+        # all at once: start-up is mostly imports and model loading, each in its own processes
+        with ThreadPoolExecutor(max_workers=cfg.num_engines) as pool:
+            for future in [pool.submit(engine.start) for engine in engines]:
+                future.result()
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+    return engines
+
+
+def describe(engines: list[EngineProcess]) -> str:
+    return json.dumps([e.info() for e in engines])

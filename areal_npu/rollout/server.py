@@ -1,0 +1,294 @@
+"""The rollout engine process: vLLM's AsyncLLM behind vLLM's own OpenAI app plus our token API.
+
+Run as ``python -m areal_npu.rollout.server --config CONFIG.json --port PORT`` (the launcher does).
+vLLM's app supplies ``/health``, ``/metrics`` (Prometheus) and the OpenAI routes (``/v1/...``) for
+agent frameworks; this module adds, under ``/areal``:
+
+* ``POST /areal/generate`` -- token ids in; per sample: generated ids, behaviour log-prob of every
+  sampled token (``raw_logprobs``), the weight version of every token, finish reason, and the
+  request's speculative-decoding summary.
+* ``POST /areal/pause``, ``/areal/resume`` -- generation paused in ``keep`` mode: in-flight
+  requests freeze and continue after resume (their later tokens carry the new version).
+* ``POST /areal/update_weights/{begin,bucket,commit}`` -- bucketed in-place update of the policy
+  and the MTP drafter through ``collective_rpc`` (see ``worker_ext.py``); generation is paused
+  from ``begin`` to ``commit``, and ``commit`` sets the new version.
+* ``POST /areal/update_weights/collective/{init,start,chunk,finish}`` -- vLLM's weight-transfer
+  engines (NCCL / CUDA IPC, and vLLM-Ascend's HCCL / NPU IPC) for device-to-device updates.
+* ``GET /areal/metrics`` (cumulative acceptance counters as JSON), ``GET /areal/version``.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from areal_npu.rollout.config import RolloutConfig
+
+TRANSFER_BACKENDS = {"nccl": "nccl", "cuda_ipc": "ipc", "hccl": "hccl", "npu_ipc": "npu_ipc"}
+
+
+class EngineState:
+    """Weight version and update session shared by the routes of one engine."""
+
+    def __init__(self, engine, cfg: RolloutConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.version = 0
+        self.updating = False
+        self.active_target: str | None = None
+        self.loaded: dict[str, int] = {}
+        self.update_started = 0.0
+        self.lock = asyncio.Lock()
+        self.started = time.time()
+        self.failed_update: str | None = None
+
+    async def rpc(self, method: str, *args) -> list:
+        return await self.engine.collective_rpc(method, args=args)
+
+    async def switch_target(self, target: str | None) -> None:
+        if self.active_target == target:
+            return
+        if self.active_target is not None:
+            counts = await self.rpc("areal_finish_update", self.active_target)
+            self.loaded[self.active_target] = int(counts[0])
+        self.active_target = target
+        if target is not None:
+            await self.rpc("areal_begin_update", target)
+
+
+def _sampling_params(body: dict[str, Any], cfg: RolloutConfig):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    top_k = int(body.get("top_k", cfg.top_k))
+    if cfg.spec.enabled and top_k > 0:
+        raise ValueError(
+            f"top_k={top_k} with speculative decoding ({cfg.spec.method}) crashes vLLM 0.32; use top_p"
+        )
+    return SamplingParams(
+        n=int(body.get("n", 1)),
+        temperature=float(body.get("temperature", 1.0)),
+        top_p=float(body.get("top_p", 1.0)),
+        top_k=top_k if top_k > 0 else 0,
+        max_tokens=int(body.get("max_tokens", 256)),
+        stop_token_ids=list(body.get("stop_token_ids") or []),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        seed=body.get("seed"),
+        logprobs=0,  # the sampled token's own log-prob
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def make_router(state: EngineState):
+    router = APIRouter(prefix="/areal")
+
+    @router.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        try:
+            params = _sampling_params(body, state.cfg)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from None
+        input_ids = [int(t) for t in body["input_ids"]]
+        request_id = str(body.get("request_id") or uuid.uuid4().hex)
+        samples = [
+            {"output_ids": [], "logprobs": [], "versions": [], "finish_reason": None, "spec": None}
+            for _ in range(params.n)
+        ]
+        try:
+            async for out in state.engine.generate({"prompt_token_ids": input_ids}, params, request_id):
+                version = state.version
+                for comp in out.outputs:
+                    sample = samples[comp.index]
+                    ids = list(comp.token_ids)
+                    sample["output_ids"] += ids
+                    if comp.logprobs:
+                        sample["logprobs"] += [
+                            step[tok].logprob for step, tok in zip(comp.logprobs, ids, strict=True)
+                        ]
+                    sample["versions"] += [version] * len(ids)
+                    if comp.finish_reason is not None:
+                        sample["finish_reason"] = comp.finish_reason
+                    metrics = getattr(comp, "spec_decode_metrics", None)
+                    if metrics is not None:
+                        sample["spec"] = metrics.to_dict() if hasattr(metrics, "to_dict") else metrics
+        except asyncio.CancelledError:
+            await state.engine.abort(request_id)
+            raise
+        return {"request_id": request_id, "prompt_len": len(input_ids), "samples": samples}
+
+    @router.post("/pause")
+    async def pause(request: Request):
+        body = await _json_or_empty(request)
+        await state.engine.pause_generation(mode=body.get("mode", "keep"), clear_cache=False)
+        return {"paused": True}
+
+    @router.post("/resume")
+    async def resume():
+        await state.engine.resume_generation()
+        return {"paused": False}
+
+    @router.get("/version")
+    async def version():
+        return {
+            "version": state.version,
+            "updating": state.updating,
+            "failed_update": state.failed_update,
+            "pid": os.getpid(),
+            "spec": state.cfg.spec.vllm_dict(),
+            "uptime_s": time.time() - state.started,
+        }
+
+    @router.get("/metrics")
+    async def metrics():
+        from vllm.v1.metrics.reader import get_metrics_snapshot
+
+        from areal_npu.rollout.metrics import SpecCounters
+
+        return SpecCounters.from_vllm_metrics(get_metrics_snapshot(), now=time.time()).to_dict()
+
+    @router.post("/update_weights/begin")
+    async def begin(request: Request):
+        async with state.lock:
+            if state.updating:
+                raise HTTPException(status_code=409, detail="a weight update is already in progress")
+            await state.engine.pause_generation(mode="keep", clear_cache=False)
+            state.updating = True
+            state.loaded = {}
+            state.update_started = time.perf_counter()
+        return {"version": state.version}
+
+    @router.post("/update_weights/bucket")
+    async def bucket(request: Request, target: str = "policy"):
+        payload = await request.body()
+        async with state.lock:
+            if not state.updating:
+                raise HTTPException(status_code=409, detail="call /areal/update_weights/begin first")
+            if target == "draft" and not state.cfg.spec.sync_draft:
+                raise HTTPException(status_code=400, detail="spec.sync_draft is false: the drafter is frozen")
+            await state.switch_target(target)
+            counts = await state.rpc("areal_load_bucket", target, payload)
+        return {"loaded": int(counts[0])}
+
+    @router.post("/update_weights/commit")
+    async def commit(request: Request):
+        body = await _json_or_empty(request)
+        async with state.lock:
+            if not state.updating:
+                raise HTTPException(status_code=409, detail="no weight update in progress")
+            try:
+                await state.switch_target(None)
+            except Exception as exc:
+                # weights are half-loaded: stay paused; the caller restarts this engine
+                state.updating = False
+                state.active_target = None
+                state.failed_update = f"{type(exc).__name__}: {exc}"
+                raise HTTPException(
+                    status_code=500, detail=f"weight update failed: {state.failed_update}"
+                ) from exc
+            state.version = int(body.get("version", state.version + 1))
+            state.updating = False
+            await state.engine.resume_generation()
+            seconds = time.perf_counter() - state.update_started
+        return {"version": state.version, "loaded": state.loaded, "seconds": seconds}
+
+    @router.post("/update_weights/collective/init")
+    async def collective_init(request: Request):
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        body = await request.json()
+        await state.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=body["init_info"]))
+        return {"ok": True}
+
+    @router.post("/update_weights/collective/start")
+    async def collective_start(request: Request):
+        body = await _json_or_empty(request)
+        if body.get("target", "policy") == "draft":
+            await state.engine.start_draft_weight_update()
+        else:
+            await state.engine.start_weight_update()
+        return {"ok": True}
+
+    @router.post("/update_weights/collective/chunk")
+    async def collective_chunk(request: Request):
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        body = await request.json()
+        await state.engine.update_weights(WeightTransferUpdateRequest(update_info=body["update_info"]))
+        return {"ok": True}
+
+    @router.post("/update_weights/collective/finish")
+    async def collective_finish():
+        await state.engine.finish_weight_update()
+        return {"ok": True}
+
+    @router.post("/debug/param_sums")
+    async def param_sums(target: str = "policy"):
+        return JSONResponse((await state.rpc("areal_param_sums", target))[0])
+
+    return router
+
+
+async def _json_or_empty(request) -> dict:
+    raw = await request.body()
+    return json.loads(raw) if raw else {}
+
+
+async def serve(cfg: RolloutConfig, port: int) -> None:
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = cfg.vllm_cli_args(port)
+    transport = cfg.resolved_transport()
+    if transport in TRANSFER_BACKENDS:
+        argv += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKENDS[transport]})]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    listen_address, sock = setup_server(args, reuse_port=False)
+    async with build_async_engine_client(args) as engine:
+        supported = await engine.get_supported_tasks()
+        app = build_app(args, supported, engine.model_config)
+        await init_app_state(engine, app.state, args, supported)
+        app.include_router(make_router(EngineState(engine, cfg)))
+        # ours first: vLLM's app has catch-all middleware but no /areal routes
+        shutdown_task = await serve_http(
+            app,
+            sock=sock,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+        )
+    try:
+        await shutdown_task
+    finally:
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="areal-npu rollout engine (vLLM)")
+    parser.add_argument("--config", required=True, help="RolloutConfig as a JSON file or JSON string")
+    parser.add_argument("--port", type=int, required=True)
+    ns = parser.parse_args(argv)
+    text = open(ns.config).read() if os.path.isfile(ns.config) else ns.config
+    cfg = RolloutConfig.from_dict(json.loads(text))
+    for key, value in cfg.engine_env().items():
+        os.environ.setdefault(key, value)
+    import uvloop
+
+    uvloop.run(serve(cfg, ns.port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Runs inside every vLLM worker process (``--worker-extension-cls``): in-place weight reload.
+
+Reached through ``collective_rpc("areal_*", args=...)``. Tensors arrive as safetensors bytes
+(plain tensors would arrive as lists). Why not ``model.load_weights``: the CPU backend repacks
+linear weights after loading, so updates go through vLLM's layer-wise reload, which runs that
+processing again (``initialize_layerwise_reload`` -> ``load_weights`` per bucket ->
+``finalize_layerwise_reload``). The MTP drafter is a separate module in vLLM: loading the policy
+refreshes only what it shares with the drafter (embedding, output head), so the drafter's own
+``mtp.*`` weights get their own session against ``get_draft_model()``.
+"""
+
+from __future__ import annotations
+
+from areal_npu.compat import vllm_cpu_sampling
+
+# vLLM imports this class in each worker right after registering its CPU kernel overrides: the
+# moment to replace the broken one (see areal_npu/compat/vllm_cpu_sampling.py).
+vllm_cpu_sampling.apply()
+
+TARGETS = ("policy", "draft")
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's Worker class; ``self`` is the worker."""
+
+    def _areal_target(self, target: str):
+        if target == "policy":
+            return self.get_model(), self.vllm_config.model_config
+        if target == "draft":
+            model = self.get_draft_model()
+            spec = self.vllm_config.speculative_config
+            if model is None or spec is None or spec.draft_model_config is None:
+                raise RuntimeError("draft weight update requested but this engine has no drafter")
+            return model, spec.draft_model_config
+        raise ValueError(f"target must be one of {TARGETS}; got {target!r}")
+
+    def areal_begin_update(self, target: str) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        model, _ = self._areal_target(target)
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+        self._areal_loaded = {"target": target, "names": 0}
+
+    def areal_load_bucket(self, target: str, payload: bytes) -> int:
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        from areal_npu.rollout.buckets import unpack_bucket
+
+        state = getattr(self, "_areal_loaded", None)
+        if state is None or state["target"] != target:
+            raise RuntimeError(f"areal_load_bucket({target!r}) without areal_begin_update({target!r})")
+        model, _ = self._areal_target(target)
+        weights = unpack_bucket(payload)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            model.load_weights(iter(weights))
+        state["names"] += len(weights)
+        return len(weights)
+
+    def areal_finish_update(self, target: str) -> int:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        model, model_config = self._areal_target(target)
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, model_config)
+        state = getattr(self, "_areal_loaded", None) or {"names": 0}
+        self._areal_loaded = None
+        return int(state["names"])
+
+    def areal_param_sums(self, target: str) -> dict[str, float]:
+        """Sum of every parameter (for diagnostics and tests: did the update land?)."""
+        model, _ = self._areal_target(target)
+        return {name: float(p.detach().float().sum()) for name, p in model.named_parameters()}

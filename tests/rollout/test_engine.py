@@ -1,0 +1,337 @@
+"""End-to-end rollout engine tests: two real vLLM engines on a tiny Qwen3.5 + MTP model.
+
+One engine speculates (MTP, k = 2, method alias ``qwen3_5_mtp``), one decodes autoregressively;
+both serve the same synthetic checkpoint whose MTP head is a near-oracle drafter
+(``areal_npu.rollout.synthetic``: drafts mostly, not always, accepted). Every check compares with
+an independent reference: a transformers forward pass of the same weights, the exact
+distribution enumerated with transformers, or the other engine.
+
+The tests share the two engines (module scope) and run in file order: the weight-update test
+changes the speculative engine's weights and the fault test kills and restarts the plain one, so
+both come last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from areal_npu.rollout.client import RolloutClient
+from areal_npu.rollout.config import RolloutConfig, SpecConfig
+from areal_npu.rollout.launcher import EngineProcess
+from areal_npu.rollout.reference import (
+    cells,
+    chi2_goodness_of_fit,
+    chi2_two_sample,
+    exact_joint,
+    greedy,
+    load_model,
+    sequence_logprobs,
+)
+from areal_npu.rollout.synthetic import flip_final_norm, load_tensors, save_aligned_model, save_tensors
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+K = 2
+PROMPT = [72, 101, 108, 108, 111]  # "Hello"
+LOGPROB_TOL = 1e-4
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(4, 12))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_aligned_model(tmp_path_factory.mktemp("aligned"))
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    common = dict(model=str(model_dir), max_model_len=1024, startup_timeout_s=600, request_timeout_s=300)
+    spec_cfg = RolloutConfig(
+        **common, log_dir=str(logs / "spec"), spec=SpecConfig(method="qwen3_5_mtp", num_speculative_tokens=K)
+    )
+    plain_cfg = RolloutConfig(**common, log_dir=str(logs / "plain"))
+    procs = [EngineProcess(spec_cfg, index=0), EngineProcess(plain_cfg, index=1)]
+    for cfg in (spec_cfg, plain_cfg):
+        cfg.validate()
+    try:
+        with ThreadPoolExecutor(2) as pool:  # start both at once: start-up is mostly imports
+            for future in [pool.submit(p.start) for p in procs]:
+                future.result()
+        yield {"spec": procs[0], "plain": procs[1]}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+async def _generate_all(engine, prompts, **kwargs):
+    async with RolloutClient([engine], max_retries=0) as client:
+        results = await asyncio.gather(*(client.generate(p, **kwargs) for p in prompts))
+    for r in results:
+        assert not r.failed, r.error
+    return results
+
+
+def test_behaviour_logprobs_match_transformers(engines, ref):
+    """Every sampled token's behaviour log-prob equals log p from a transformers forward (<= 1e-4)."""
+    prompts = _prompts(4, seed=1)
+    for name in ("spec", "plain"):
+        for params in (dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)):
+            results = asyncio.run(
+                _generate_all(engines[name], prompts, max_tokens=24, n=2, ignore_eos=True, **params)
+            )
+            for prompt, result in zip(prompts, results, strict=True):
+                assert len(result.samples) == 2
+                for sample in result.samples:
+                    assert len(sample.output_ids) == 24 and sample.finish_reason == "length"
+                    assert sample.versions == [0] * 24
+                    expected = sequence_logprobs(ref, prompt, sample.output_ids)
+                    got = torch.tensor(sample.logprobs, dtype=torch.float64)
+                    assert torch.allclose(got, expected, atol=LOGPROB_TOL, rtol=0), (
+                        name,
+                        params,
+                        got - expected,
+                    )
+
+
+def test_greedy_identical_with_and_without_speculation(engines, ref):
+    prompts = _prompts(4, seed=2)
+    outs = {
+        name: asyncio.run(
+            _generate_all(engines[name], prompts, max_tokens=32, temperature=0.0, ignore_eos=True)
+        )
+        for name in ("spec", "plain")
+    }
+    for i, prompt in enumerate(prompts):
+        expected = greedy(ref, prompt, 32)
+        assert outs["spec"][i].samples[0].output_ids == expected
+        assert outs["plain"][i].samples[0].output_ids == expected
+    # stop ids end generation at their first occurrence
+    stop = outs["plain"][0].samples[0].output_ids[5]
+    first = outs["plain"][0].samples[0].output_ids.index(stop)
+    (res,) = asyncio.run(
+        _generate_all(engines["spec"], prompts[:1], max_tokens=32, temperature=0.0, stop_token_ids=[stop])
+    )
+    assert res.samples[0].finish_reason == "stop"
+    assert res.samples[0].output_ids[-1] == stop and len(res.samples[0].output_ids) == first + 1
+
+
+def test_sampling_is_lossless_under_speculation(engines, ref):
+    """At temperature 1 the joint law of the first 3 tokens is the same with and without MTP.
+
+    Design: the model's next-token distributions concentrate on a few tokens (entropy ~0.7 nat), so
+    the first 3 tokens after a fixed prompt fall into ~60 cells with an expected count >= 10 at
+    N = 20 000 samples per engine (rarer outcomes pooled into one cell). Token 1 comes from the
+    prefill; tokens 2 and 3 are the k = 2 draft positions, where a wrong rejection sampler would
+    show. Tests at level 1e-3 each: Pearson chi-square homogeneity (spec vs plain), and
+    goodness of fit of each engine to the exact law enumerated with transformers.
+    Power (simulated with these N and the exact law, 300 repetitions each): against alternatives at
+    total-variation distance 0.02 the two-sample test rejects 83 % (2 % of mass moved between the two
+    largest cells, the hardest case) to 98 % (random directions), the goodness-of-fit tests > 99 %.
+    Before the CPU sampling fix (areal_npu/compat/vllm_cpu_sampling.py) this test failed.
+    """
+    n_per_request, requests = 500, 40
+    exact = exact_joint(ref, PROMPT, 3, min_prob=1e-6)
+    total = n_per_request * requests
+    keep = cells({k: v * total for k, v in exact.items()}, min_expected=10)
+
+    async def sample(engine):
+        async with RolloutClient([engine], max_retries=0) as client:
+            results = await asyncio.gather(
+                *(
+                    client.generate(PROMPT, max_tokens=3, n=n_per_request, temperature=1.0, ignore_eos=True)
+                    for _ in range(requests)
+                )
+            )
+        assert not any(r.failed for r in results)
+        return Counter(tuple(s.output_ids) for r in results for s in r.samples)
+
+    counts_spec = asyncio.run(sample(engines["spec"]))
+    counts_plain = asyncio.run(sample(engines["plain"]))
+    assert sum(counts_spec.values()) == sum(counts_plain.values()) == total
+    p_two, df = chi2_two_sample(counts_spec, counts_plain, keep)
+    p_spec, _ = chi2_goodness_of_fit(counts_spec, exact, keep)
+    p_plain, _ = chi2_goodness_of_fit(counts_plain, exact, keep)
+    print(f"lossless: df={df} p(two-sample)={p_two:.3g} p(gof spec)={p_spec:.3g} p(gof plain)={p_plain:.3g}")
+    assert df >= 30
+    assert p_two > 1e-3 and p_spec > 1e-3 and p_plain > 1e-3, (p_two, p_spec, p_plain)
+
+
+def test_acceptance_metrics_are_counter_deltas(engines):
+    async def run():
+        async with RolloutClient([engines["spec"]], max_retries=0) as client:
+            await client.step_metrics()
+            results = await asyncio.gather(
+                *(client.generate(p, max_tokens=40, temperature=1.0, ignore_eos=True) for p in _prompts(8, 3))
+            )
+            return results, await client.step_metrics()
+
+    results, stats = asyncio.run(run())
+    assert stats["rollout/generated_tokens"] == 8 * 40
+    # the per-request summaries vLLM returns add up to the engine counters' deltas
+    per_request = [r.samples[0].spec for r in results]
+    assert stats["rollout/spec_drafts"] == sum(m["num_spec_steps"] for m in per_request)
+    assert stats["rollout/spec_accepted_tokens"] == sum(m["num_accepted_draft_tokens"] for m in per_request)
+    assert stats["rollout/spec_draft_tokens"] == K * stats["rollout/spec_drafts"]
+    assert 0.3 < stats["rollout/spec_accept_rate"] < 0.99  # drafts accepted, and rejections exercised
+    assert stats["rollout/spec_mean_accepted_len"] == pytest.approx(
+        1 + stats["rollout/spec_accepted_tokens"] / stats["rollout/spec_drafts"]
+    )
+    assert stats["rollout/spec_accept_rate_pos0"] >= stats["rollout/spec_accept_rate_pos1"]
+    assert stats["rollout/tokens_per_s"] > 0
+
+
+def test_openai_endpoint_and_request_validation(engines, model_dir):
+    spec = engines["spec"]
+    body = {"model": str(model_dir), "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
+    response = httpx.post(spec.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+    # top_k with speculation is refused up front (it would kill vLLM 0.32), the engine stays up
+    (result,) = asyncio.run(_try(spec, top_k=5))
+    assert result.failed and "top_k" in result.error and result.attempts == 1
+    assert spec.healthy()
+    (result,) = asyncio.run(_try(engines["plain"], top_k=5))
+    assert not result.failed
+
+
+async def _try(engine, **kwargs):
+    async with RolloutClient([engine], max_retries=0) as client:
+        return [await client.generate(PROMPT, max_tokens=4, **kwargs)]
+
+
+async def _wait_for_tokens(client: RolloutClient, at_least: float, timeout: float = 60.0) -> None:
+    start = (await client.counters()).generation_tokens
+    deadline = time.monotonic() + timeout
+    while (await client.counters()).generation_tokens - start < at_least:
+        assert time.monotonic() < deadline, "no generation progress"
+        await asyncio.sleep(0.2)  # polling harder starves the server's output loop and delays the counters
+
+
+def test_weight_update_policy_and_drafter(engines, model_dir, tmp_path):
+    """Online update of policy + MTP drafter: generations follow the new weights exactly; acceptance
+    holds with a synced drafter and collapses with a stale one; versions are recorded per token."""
+    spec = engines["spec"]
+    base = load_tensors(model_dir)
+    m1 = flip_final_norm(base, seed=1)  # new policy, drafter updated along
+    m2 = flip_final_norm(base, seed=2, sync_draft=False)  # new policy; its mtp.* is sent to nobody
+    ref1 = load_model(save_tensors(tmp_path / "m1", model_dir, m1))
+    ref2 = load_model(save_tensors(tmp_path / "m2", model_dir, m2))
+    prompts = _prompts(4, seed=4)
+    workload = _prompts(16, seed=5)
+
+    async def accept_rate(client):
+        await client.step_metrics()
+        results = await asyncio.gather(
+            *(client.generate(p, max_tokens=48, temperature=1.0, ignore_eos=True) for p in workload)
+        )
+        return (await client.step_metrics())["rollout/spec_accept_rate"], results
+
+    async def draft_sums(client):
+        response = await client._http.post(spec.url + "/areal/debug/param_sums?target=draft")
+        return {k: v for k, v in response.json().items() if "embed" not in k and "lm_head" not in k}
+
+    async def run():
+        async with RolloutClient([spec], max_retries=0, bucket_bytes=1 << 16) as client:
+            accept0, _ = await accept_rate(client)
+            # a long request in flight across the update: its tokens switch version 0 -> 1
+            long = asyncio.create_task(
+                client.generate(PROMPT, max_tokens=1000, temperature=1.0, ignore_eos=True)
+            )
+            await _wait_for_tokens(client, 50)
+            update1 = await client.update_weights(m1.items(), version=1)
+            long_result = await long
+            greedy1 = await asyncio.gather(
+                *(client.generate(p, max_tokens=24, temperature=0.0, ignore_eos=True) for p in prompts)
+            )
+            sampled1 = await asyncio.gather(
+                *(client.generate(p, max_tokens=24, temperature=1.0, ignore_eos=True) for p in prompts)
+            )
+            accept1, _ = await accept_rate(client)
+            sums_before = await draft_sums(client)
+            update2 = await client.update_weights(m2.items(), version=2, sync_draft=False)
+            sums_after = await draft_sums(client)
+            greedy2 = await asyncio.gather(
+                *(client.generate(p, max_tokens=24, temperature=0.0, ignore_eos=True) for p in prompts)
+            )
+            accept2, results2 = await accept_rate(client)
+            return locals()
+
+    out = asyncio.run(run())
+    assert out["update1"]["buckets"] > 2  # size-bounded buckets, policy and drafter
+    assert out["update1"]["loaded"] == [{"policy": 25, "draft": 15}]
+    assert out["update2"]["loaded"] == [{"policy": 25}]
+
+    versions = out["long_result"].samples[0].versions
+    assert len(versions) == 1000 and versions == sorted(versions) and set(versions) == {0, 1}
+
+    for prompt, g1, s1, g2 in zip(prompts, out["greedy1"], out["sampled1"], out["greedy2"], strict=True):
+        assert g1.samples[0].output_ids == greedy(ref1, prompt, 24)
+        assert g2.samples[0].output_ids == greedy(ref2, prompt, 24)
+        sample = s1.samples[0]
+        assert sample.versions == [1] * 24
+        expected = sequence_logprobs(ref1, prompt, sample.output_ids)
+        assert torch.allclose(
+            torch.tensor(sample.logprobs, dtype=torch.float64), expected, atol=LOGPROB_TOL, rtol=0
+        )
+    assert all(r.samples[0].versions == [2] * 48 for r in out["results2"])
+
+    # a frozen head (sync_draft=False) is not touched: its own weights are bit-identical
+    assert out["sums_before"] == out["sums_after"]
+    # acceptance: synced drafter keeps it, the stale drafter loses it
+    accept0, accept1, accept2 = out["accept0"], out["accept1"], out["accept2"]
+    print(f"acceptance: initial {accept0:.3f}, synced drafter {accept1:.3f}, stale drafter {accept2:.3f}")
+    assert accept0 > 0.3 and accept1 > 0.7 * accept0, (accept0, accept1)
+    assert accept2 < 0.5 * accept1, (accept1, accept2)
+
+
+def test_engine_killed_mid_batch_recovers_without_losing_requests(engines):
+    plain = engines["plain"]
+    old_pgid = plain.pgid
+    prompts = _prompts(16, seed=6)
+    max_tokens = 1000  # ~16K tokens: the batch is still running when the kill lands
+
+    async def run():
+        async with RolloutClient([plain], max_retries=2, request_timeout_s=300) as client:
+            tasks = [
+                asyncio.create_task(
+                    client.generate(p, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+                )
+                for p in prompts
+            ]
+            await _wait_for_tokens(client, 100)
+            os.kill(plain.proc.pid, signal.SIGKILL)  # the engine's server process, mid-batch
+            done_at_kill = sum(t.done() for t in tasks)
+            return done_at_kill, await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
+
+    done_at_kill, results = asyncio.run(run())
+    assert done_at_kill < len(prompts), "the batch finished before the kill: nothing was tested"
+    assert len(results) == len(prompts)
+    assert plain.restarts == 1
+    with pytest.raises(ProcessLookupError):  # nothing of the killed engine survives
+        os.killpg(old_pgid, 0)
+    for result in results:
+        if result.failed:
+            assert result.error  # returned as failed, with the reason: not lost, not hung
+        else:
+            assert len(result.samples[0].output_ids) == max_tokens
+    assert any(r.attempts > 1 and not r.failed for r in results)
+    assert plain.healthy()

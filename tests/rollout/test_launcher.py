@@ -1,0 +1,141 @@
+"""Engine process lifecycle with stand-in servers (no vLLM): health wait, start-up timeout with the
+log tail, restart, and no orphans after stop, Ctrl-C or SIGTERM -- grandchildren included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from areal_npu.rollout.config import RolloutConfig
+from areal_npu.rollout.launcher import EngineProcess, EngineStartError
+
+# a stand-in engine: spawns a grandchild (like vLLM's engine core), prints, then serves or not
+FAKE = textwrap.dedent(
+    """
+    import http.server, os, subprocess, sys, time
+    mode, port = sys.argv[1], int(sys.argv[2])
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("booting fake engine", flush=True)
+    if mode == "exit":
+        print("Traceback: boom", flush=True); sys.exit(3)
+    if mode == "hang":
+        time.sleep(600)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+class FakeEngine(EngineProcess):
+    mode = "serve"
+
+    def command(self):
+        return [sys.executable, "-c", FAKE, self.mode, str(self.port)]
+
+
+def fake(tmp_path, mode, timeout=20.0):
+    engine = FakeEngine(
+        RolloutConfig(model="m", device="cpu", startup_timeout_s=timeout, log_dir=str(tmp_path))
+    )
+    engine.mode = mode
+    return engine
+
+
+def group_gone(pgid, wait=5.0):
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_start_health_stop_leaves_no_process(tmp_path):
+    engine = fake(tmp_path, "serve").start()
+    pgid = engine.pgid
+    assert engine.healthy() and engine.group_alive()
+    engine.stop()
+    assert group_gone(pgid) and not engine.alive()
+
+
+def test_startup_timeout_raises_with_log_tail_and_cleans_up(tmp_path):
+    engine = fake(tmp_path, "hang", timeout=3.0)
+    start = time.monotonic()
+    with pytest.raises(EngineStartError) as err:
+        engine.start()
+    assert time.monotonic() - start < 20
+    assert "not healthy after 3 s" in str(err.value) and "booting fake engine" in str(err.value)
+    assert engine.pgid is None
+    assert not engine.alive()
+
+
+def test_engine_exiting_during_startup_reports_code_and_log(tmp_path):
+    with pytest.raises(EngineStartError) as err:
+        fake(tmp_path, "exit").start()
+    assert "exited with code 3" in str(err.value) and "Traceback: boom" in str(err.value)
+
+
+def test_restart_replaces_the_whole_group(tmp_path):
+    engine = fake(tmp_path, "serve").start()
+    old = engine.pgid
+    os.kill(engine.proc.pid, signal.SIGKILL)  # the leader dies; its grandchild would linger
+    assert not engine.healthy()
+    engine.restart()
+    try:
+        assert engine.healthy() and engine.pgid != old and engine.restarts == 1
+        assert group_gone(old)
+    finally:
+        engine.stop()
+
+
+DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from test_launcher import fake
+    import pathlib
+    e = fake(pathlib.Path({tmp!r}), "serve").start()
+    print(e.pgid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_no_orphans_when_the_parent_is_interrupted(tmp_path, sig):
+    code = DRIVER.format(tests=os.path.dirname(__file__), tmp=str(tmp_path))
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pgid = int(driver.stdout.readline())
+        os.killpg(pgid, 0)  # engine group up
+        driver.send_signal(sig)  # Ctrl-C / kill of the trainer
+        driver.wait(timeout=30)
+        assert group_gone(pgid, wait=10)
+    finally:
+        driver.kill()
+
+
+def test_data_parallel_engines_get_disjoint_cores(monkeypatch):
+    from areal_npu.rollout.launcher import cpu_binding
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    cfg = RolloutConfig(model="m", device="cpu", num_engines=2)
+    assert [cpu_binding(cfg, i) for i in range(2)] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0,1"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "2,3"},
+    ]
+    assert cpu_binding(RolloutConfig(model="m", device="cpu", num_engines=1), 0) == {}  # vLLM's own choice
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert cpu_binding(cfg, 1) == {}  # the user's setting wins
