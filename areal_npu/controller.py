@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from areal_npu.agent.tasks import format_prompt
 from areal_npu.algo.advantages import grpo_advantages
 from areal_npu.data.trajectory import Trajectory, sft_sample, training_sample
 from areal_npu.recipe import RLConfig
@@ -36,12 +37,14 @@ class RLController:
         run_dir: Path,
         logger,
         start_step: int = 0,
+        eval_tasks: list | None = None,
     ):
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
         self.client = client
         self.tasks = tasks
+        self.eval_tasks = (eval_tasks or [])[: cfg.controller.eval_size]
         self.run_dir = run_dir
         self.logger = logger
         self.start_step = start_step
@@ -148,7 +151,24 @@ class RLController:
         self.version_event.set()
         return time.perf_counter() - start
 
-    async def train(self, on_step=None) -> list[dict]:
+    async def evaluate(self, workflow) -> dict[str, float]:
+        """Mean reward of one sample per held-out prompt under the weights the engines serve now."""
+        if not self.eval_tasks:
+            return {}
+        start = time.perf_counter()
+        prompts = [workflow.encode(format_prompt(t)) for t in self.eval_tasks]
+        results = await asyncio.gather(*(workflow.sample(self.client, p, 1) for p in prompts))
+        graded = await workflow.grade(self.eval_tasks, [r[0] for r in results])
+        rewards = [r for r, _ in graded]
+        return {"eval/reward": sum(rewards) / len(rewards),
+                "eval/solved": sum(r >= 1 for r in rewards) / len(rewards),
+                "timing/eval_s": time.perf_counter() - start}
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.controller.eval_every
+        return bool(every) and (step == 0 or (step + 1) % every == 0 or step + 1 == self.cfg.controller.steps)
+
+    async def train(self, on_step=None, workflow=None) -> list[dict]:
         from areal_npu.planner import live_perf_metrics
         from areal_npu.train.checkpoint import save_checkpoint
 
@@ -156,6 +176,9 @@ class RLController:
         history = []
         await self.client.step_metrics()  # start the counter deltas here
         for step in range(self.start_step, c.steps):
+            eval_stats = {}
+            if workflow is not None and step == 0 and self._eval_due(0):
+                eval_stats = await self.evaluate(workflow)  # the starting point, before any update
             t0 = time.perf_counter()
             self.reward_time = 0.0
             groups, stats = await self.next_batch(step)
@@ -184,6 +207,9 @@ class RLController:
             stats.update(
                 {"rollout/failed_groups": float(self.failures), "rollout/version": float(self.version)}
             )
+            if workflow is not None and step > 0 and self._eval_due(step):
+                eval_stats = await self.evaluate(workflow)  # after the push: this step's new weights
+            stats.update(eval_stats)
             if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step + 1 == c.steps):
                 await asyncio.to_thread(
                     save_checkpoint, self.engine, self.run_dir / "checkpoints", {"step": step}, self.tokenizer
@@ -197,7 +223,7 @@ class RLController:
     async def run(self, workflow, on_step=None) -> list[dict]:
         producer = asyncio.create_task(self.produce(workflow))
         try:
-            return await self.train(on_step)
+            return await self.train(on_step, workflow)
         finally:
             producer.cancel()
             for task in list(self.in_flight):

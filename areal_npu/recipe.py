@@ -50,7 +50,8 @@ class ControllerConfig:
     max_staleness: int = 1  # 0: synchronous RL
     max_concurrent_groups: int = 16
     checkpoint_every: int = 5  # 0: only at the end
-    eval_every: int = 0
+    eval_every: int = 0  # held-out eval (one sample per prompt) every N steps, before step 0 and at the end; 0: off
+    eval_size: int = 128  # held-out prompts per eval (from the task's eval split)
 
     def validate(self) -> None:
         for key in ("steps", "batch_groups", "max_concurrent_groups"):
@@ -60,6 +61,8 @@ class ControllerConfig:
             raise ValueError("max_staleness must be >= 0 (0 is synchronous RL)")
         if self.checkpoint_every < 0:
             raise ValueError("checkpoint_every must be >= 0")
+        if self.eval_every < 0 or self.eval_size < 1:
+            raise ValueError("eval_every must be >= 0 and eval_size >= 1")
 
 
 @dataclass

@@ -135,6 +135,9 @@ def plot_reward(rows: list[dict], path: Path) -> Path | None:
             color="C0",
             label="min–max",
         )
+    eval_steps, eval_mean = series(rows, "eval/reward")
+    if eval_steps:
+        ax.plot(eval_steps, eval_mean, "o-", label="eval/reward (held-out prompts)", color="C3")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title("reward")
@@ -281,6 +284,12 @@ def summary_markdown(
         )
     else:
         missing_summary.append("reward/mean")
+    eval_steps, eval_reward = series(rows, "eval/reward")
+    if len(eval_reward) >= 2:
+        md.append(
+            f"- held-out eval reward: step {eval_steps[0]} {eval_reward[0]:.4f} -> step {eval_steps[-1]} "
+            f"{eval_reward[-1]:.4f} (change {eval_reward[-1] - eval_reward[0]:+.4f})"
+        )
     acc_steps, acc = series(rows, "rollout/spec_accept_rate")
     if acc:
         line = f"- final speculative acceptance (step {acc_steps[-1]}): {acc[-1]:.4f}"

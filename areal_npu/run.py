@@ -41,7 +41,7 @@ def warm_start(cfg: RLConfig, base_dir: Path, tasks, out_dir: Path, console) -> 
         total_steps=w.steps + 1,
         min_lr_ratio=0.1,
     )
-    train_cfg = dataclasses.replace(cfg.train, optim=optim)
+    train_cfg = dataclasses.replace(cfg.train, optim=optim, ppo_minibatches=1)
     engine = FSDPEngine(lm, mtp, train_cfg, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id)
     samples = warm_start_samples(tokenizer, sft_pairs(tasks))
     rng = random.Random(cfg.seed)
@@ -64,7 +64,7 @@ def warm_start(cfg: RLConfig, base_dir: Path, tasks, out_dir: Path, console) -> 
 
 
 async def _run_loop(
-    cfg: RLConfig, engine, tokenizer, tasks, run_dir, logger, start_step, engines, rollout_cfg
+    cfg: RLConfig, engine, tokenizer, tasks, eval_tasks, run_dir, logger, start_step, engines, rollout_cfg
 ):
     from areal_npu.agent.workflows import load_workflow
     from areal_npu.controller import RLController
@@ -82,7 +82,7 @@ async def _run_loop(
 
     client = RolloutClient.from_config(rollout_cfg, engines, on_restart=on_restart)
     try:
-        controller = RLController(cfg, engine, tokenizer, client, tasks, run_dir, logger, start_step)
+        controller = RLController(cfg, engine, tokenizer, client, tasks, run_dir, logger, start_step, eval_tasks)
         controller_ref["c"] = controller
         if start_step > 0:
             await controller.push_weights()  # engines restarted from the checkpoint: tag their version
@@ -120,7 +120,7 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     init_distributed()
-    train_tasks, _ = make_splits(cfg.task)
+    train_tasks, eval_tasks = make_splits(cfg.task)
 
     if checkpoint is not None:
         policy_dir = checkpoint
@@ -151,7 +151,9 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
         engines = launch_engines(rollout_cfg)
     try:
         history = asyncio.run(
-            _run_loop(cfg, engine, tokenizer, train_tasks, run_dir, logger, start_step, engines, rollout_cfg)
+            _run_loop(
+                cfg, engine, tokenizer, train_tasks, eval_tasks, run_dir, logger, start_step, engines, rollout_cfg
+            )
         )
     finally:
         for e in engines:

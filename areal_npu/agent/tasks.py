@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from areal_npu.config import ConfigError
@@ -134,6 +134,7 @@ class TaskConfig:
     level: str = "easy"
     n_examples: int = 3
     n_tests: int = 5
+    families: list[str] = field(default_factory=list)  # a subset of the level's families; empty: all
 
     def validate(self) -> None:
         for name in ("n_train", "n_eval", "n_examples", "n_tests"):
@@ -145,10 +146,15 @@ class TaskConfig:
             raise ConfigError("n_tests", f"must be <= 32; got {self.n_tests}")
         if self.level not in LEVELS:
             raise ConfigError("level", f"must be one of {', '.join(LEVELS)}; got {self.level!r}")
+        known = [f.name for f in FAMILIES[self.level]]
+        unknown = [f for f in self.families if f not in known]
+        if unknown:
+            raise ConfigError("families", f"{unknown} not in level {self.level!r}; valid: {', '.join(known)}")
 
 
-def _make_task(rng: random.Random, level: str, n_examples: int, n_tests: int) -> Task:
-    family = rng.choice(FAMILIES[level])
+def _make_task(rng: random.Random, level: str, n_examples: int, n_tests: int, families=()) -> Task:
+    pool = [f for f in FAMILIES[level] if f.name in families] if families else FAMILIES[level]
+    family = rng.choice(pool)
     params = tuple(p(rng) for p in family.params)
     fn = family.fn(*params)
     seen: set[str] = set()
@@ -166,19 +172,22 @@ def _make_task(rng: random.Random, level: str, n_examples: int, n_tests: int) ->
     )
 
 
-def make_dataset(n: int, seed: int, level: str = "easy", n_examples: int = 3, n_tests: int = 5) -> list[Task]:
+def make_dataset(
+    n: int, seed: int, level: str = "easy", n_examples: int = 3, n_tests: int = 5, families=()
+) -> list[Task]:
     """``n`` tasks, a pure function of the arguments (its own ``random.Random``, never the global one)."""
-    TaskConfig(n_train=max(n, 1), seed=seed, level=level, n_examples=n_examples, n_tests=n_tests).validate()
+    TaskConfig(n_train=max(n, 1), seed=seed, level=level, n_examples=n_examples, n_tests=n_tests,
+               families=list(families)).validate()
     rng = random.Random(f"areal-npu-program-tasks/{level}/{seed}")
-    return [_make_task(rng, level, n_examples, n_tests) for _ in range(n)]
+    return [_make_task(rng, level, n_examples, n_tests, families) for _ in range(n)]
 
 
 def make_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
     """Train and eval sets; eval prompts never appear in train."""
     cfg.validate()
-    train = make_dataset(cfg.n_train, cfg.seed, cfg.level, cfg.n_examples, cfg.n_tests)
+    train = make_dataset(cfg.n_train, cfg.seed, cfg.level, cfg.n_examples, cfg.n_tests, cfg.families)
     seen = {format_prompt(t) for t in train}
-    pool = make_dataset(4 * cfg.n_eval + 64, cfg.seed + 1_000_003, cfg.level, cfg.n_examples, cfg.n_tests)
+    pool = make_dataset(4 * cfg.n_eval + 64, cfg.seed + 1_000_003, cfg.level, cfg.n_examples, cfg.n_tests, cfg.families)
     return train, [t for t in pool if format_prompt(t) not in seen][: cfg.n_eval]
 
 

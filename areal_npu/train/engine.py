@@ -41,6 +41,7 @@ class TrainEngineConfig:
     logprob_chunk_size: int = 2048  # tokens per chunk of the [T, V] log-prob computation
     temperature: float = 1.0  # must match the behaviour log-probs (vLLM raw log-probs: 1.0)
     gradient_checkpointing: bool = False
+    ppo_minibatches: int = 1  # optimizer steps per train step (PPO mini-batches); the version bumps once
     optim: OptimConfig = field(default_factory=OptimConfig)
     packing: PackingConfig = field(default_factory=lambda: PackingConfig(max_tokens_per_mb=8192))
 
@@ -51,6 +52,8 @@ class TrainEngineConfig:
             raise ValueError("logprob_chunk_size must be >= 1")
         if not self.temperature > 0:
             raise ValueError("temperature must be > 0")
+        if self.ppo_minibatches < 1:
+            raise ValueError("ppo_minibatches must be >= 1")
 
 
 class PolicyWithMTP(nn.Module):
@@ -277,10 +280,32 @@ class FSDPEngine:
     def train_step(
         self, samples: Sequence[dict], loss: str = "ppo", step: int | None = None
     ) -> dict[str, float]:
-        """One optimizer step on this rank's ``samples``; returns global stats (see :meth:`forward_backward`)."""
-        stats = self.forward_backward(samples, loss, step)
-        stats.update(self.optimizer_step(step))
-        return stats
+        """One training step on this rank's ``samples``: ``ppo_minibatches`` optimizer steps over
+        interleaved slices (each normalised by its own global counts), one weight-version bump.
+        Returns global stats (see :meth:`forward_backward`), averaged over the mini-batches."""
+        n = self.config.ppo_minibatches
+        if len(samples) < n:
+            raise ValueError(f"{len(samples)} samples cannot fill ppo_minibatches={n}")
+        per = []
+        for i in range(n):
+            stats = self.forward_backward(samples[i::n], loss, step)
+            stats.update(self.optimizer_step(step, bump_version=i == n - 1))
+            per.append(stats)
+        if n == 1:
+            return per[0]
+        merged = {}
+        for key in per[0]:
+            values = [p[key] for p in per if key in p]
+            if key.endswith("/max"):
+                merged[key] = max(values)
+            elif key.endswith("/min"):
+                merged[key] = min(values)
+            elif key == "train/n_tokens":
+                merged[key] = sum(values)
+            else:
+                merged[key] = sum(values) / len(values)
+        merged["train/version"] = float(self.version)
+        return merged
 
     def forward_backward(
         self, samples: Sequence[dict], loss: str = "ppo", step: int | None = None
@@ -380,7 +405,7 @@ class FSDPEngine:
         stats["train/n_tokens"] = n_tokens
         return stats
 
-    def optimizer_step(self, step: int | None = None) -> dict[str, float]:
+    def optimizer_step(self, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
         """Clip, check and apply the accumulated gradients; bumps the weight version."""
         step = self.version if step is None else step
         clip = self.config.optim.grad_clip
@@ -398,7 +423,8 @@ class FSDPEngine:
             )
         self.optimizer.step()
         self.scheduler.step()
-        self.version += 1
+        if bump_version:
+            self.version += 1
         return {
             "train/grad_norm": grad_norm,
             "train/lr": self.scheduler.get_last_lr()[0],
