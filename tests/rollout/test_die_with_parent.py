@@ -1,0 +1,45 @@
+"""An engine process never outlives the trainer that launched it, even after SIGKILL."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+GRANDCHILD = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from areal_npu.rollout.server import die_with_parent
+    die_with_parent(poll_s=0.1)
+    # a worker of the engine, in the engine's process group (like vLLM's engine core)
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+LAUNCHER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    # like the launcher: the engine gets a session (process group) of its own
+    p = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    print(p.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_engine_group_dies_when_launcher_is_killed():
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, GRANDCHILD], stdout=subprocess.PIPE, text=True)
+    engine_pid = int(launcher.stdout.readline())
+    engine = psutil.Process(engine_pid)
+    group = [engine] + engine.children(recursive=True)
+    assert len(group) == 2 and all(p.is_running() for p in group)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait(10)
+    _, alive = psutil.wait_procs(group, timeout=20)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
