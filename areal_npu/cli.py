@@ -41,12 +41,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_yet(name: str, issue: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"areal-npu {name}: not available yet ({issue}).", file=sys.stderr)
-        return EXIT_NOT_AVAILABLE
+def cmd_bench(args: argparse.Namespace) -> int:
+    import subprocess
+    from pathlib import Path
 
-    return run
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    available = sorted(p.stem[len("bench_"):] for p in scripts.glob("bench_*.py"))
+    if not available:
+        print("areal-npu bench: scripts/ not found (benchmarks run from a source checkout)", file=sys.stderr)
+        return EXIT_NOT_AVAILABLE
+    if not args.name:
+        print("benchmarks: " + ", ".join(available))
+        return 0
+    if args.name not in available:
+        raise ConfigError("name", f"unknown benchmark {args.name!r}; available: {', '.join(available)}")
+    return subprocess.call([sys.executable, str(scripts / f"bench_{args.name}.py"), *args.args])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.add_arguments(p)
     p.set_defaults(func=plan_cli.run)
 
-    p = sub.add_parser("bench", help="run one of scripts/bench_*.py")
-    p.add_argument("name", nargs="?")
-    p.set_defaults(func=_not_yet("bench", "use scripts/bench_*.py directly for now"))
+    p = sub.add_parser("bench", help="run one of scripts/bench_*.py (from a source checkout)")
+    p.add_argument("name", nargs="?", help="packing | logprobs | mtp | rollout; none: list them")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed on, e.g. --quick --json out.json")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
