@@ -60,7 +60,9 @@ class RLController:
         self.order = list(range(len(tasks)))
         random.Random(cfg.seed).shuffle(self.order)
         self.next_task = start_step * c.batch_groups  # data position
-        self.sync_draft = cfg.rollout.spec.sync_draft and cfg.mtp.enabled and cfg.mtp.train
+        spec = cfg.rollout.spec
+        # the drafter is updated only when it is our MTP head and that head trains
+        self.sync_draft = spec.enabled and spec.is_mtp and spec.sync_draft and cfg.mtp.enabled and cfg.mtp.train
         self.last_named: list | None = None  # the last pushed weights, for engines that restart
 
     # ---- producers ------------------------------------------------------------------------------

