@@ -38,12 +38,21 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, ini
     return rank, world_size
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few floats over the default group (identity without one)."""
+def _all_reduce(values: list[float], op) -> list[float]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(values)
     import torch
 
     t = torch.tensor(values, dtype=torch.float64, device=current_platform().current_device())
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over the default group (identity without one)."""
+    return _all_reduce(values, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    """Element-wise max of a few floats over the default group (identity without one)."""
+    return _all_reduce(values, dist.ReduceOp.MAX)

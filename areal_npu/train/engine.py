@@ -29,7 +29,7 @@ from areal_npu.model.mtp_params import apply_mtp_mode, mtp_mode
 from areal_npu.model.mtp_targets import build_mtp_targets
 from areal_npu.model.packed import enable_packed_attention
 from areal_npu.platform import current_platform
-from areal_npu.train.dist import all_reduce_sum
+from areal_npu.train.dist import all_reduce_max, all_reduce_sum
 from areal_npu.train.optim import OptimConfig, build_optimizer
 
 IGNORE = -100
@@ -127,14 +127,6 @@ def _merge_stats(per_mb: list[tuple[float, dict[str, float]]]) -> dict[str, floa
             num, den = all_reduce_sum([sum(w * v for w, v in vals), sum(w for w, _ in vals)])
             out[key] = num / den if den else 0.0
     return out
-
-
-def all_reduce_max(values: list[float]) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=current_platform().current_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 class FSDPEngine:
