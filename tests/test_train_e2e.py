@@ -89,3 +89,25 @@ def test_train_kill_resume_and_learn(tmp_path):
     # 6 steps x 64 samples per window: a standard error of at most 0.026 per mean, 0.036 for the
     # difference; demand more than twice that.
     assert end - start > 0.08, [round(r["reward/mean"], 3) for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_ctrl_c_stops_everything_and_keeps_what_was_logged(tmp_path):
+    run_dir = tmp_path / "run"
+    recipe = str(ROOT / "recipes" / "cpu" / "quickstart.yaml")
+    overrides = [f"run_dir={run_dir}", "warmstart.steps=2", "controller.steps=50", "controller.eval_every=0"]
+    log = open(tmp_path / "log", "w")
+    proc = subprocess.Popen(_cli() + ["train", recipe] + overrides, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, (tmp_path / "log").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(120) != 0  # interrupted, not finished
+    assert not _wait_gone(run_dir, 30), "engine processes survived Ctrl-C"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 2
