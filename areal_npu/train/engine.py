@@ -9,7 +9,6 @@ over micro-batches and data-parallel ranks, so micro-batching and sharding never
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,16 +19,15 @@ from torch import nn
 
 from areal_npu.algo.guard import NonFiniteError, nonfinite_guard
 from areal_npu.algo.ppo import PPOConfig, decoupled_ppo_loss
-from areal_npu.data.packed_layout import pack_per_token, pack_sequences
+from areal_npu.data.packed_layout import pack_per_token, pack_sequences, unpack_per_token
 from areal_npu.data.packing import PackingConfig, packing_stats, plan_micro_batches
-from areal_npu.kernels.logprobs import chunked_logprobs_entropy
 from areal_npu.model.mtp import MTPConfig
-from areal_npu.model.mtp_loss import mtp_loss
 from areal_npu.model.mtp_params import apply_mtp_mode, mtp_mode
 from areal_npu.model.mtp_targets import build_mtp_targets
 from areal_npu.model.packed import enable_packed_attention
 from areal_npu.platform import current_platform
-from areal_npu.train.dist import all_reduce_max, all_reduce_sum
+from areal_npu.train.dist import all_reduce_sum
+from areal_npu.train.forward import PolicyWithMTP, merge_stats, shift_left
 from areal_npu.train.optim import OptimConfig, build_optimizer
 
 IGNORE = -100
@@ -54,79 +52,6 @@ class TrainEngineConfig:
             raise ValueError("temperature must be > 0")
         if self.ppo_minibatches < 1:
             raise ValueError("ppo_minibatches must be >= 1")
-
-
-class PolicyWithMTP(nn.Module):
-    """One FSDP root holding the HF causal LM and its MTP head, so that the shared embedding and
-    output head are unsharded whenever the forward touches them (policy and MTP alike)."""
-
-    def __init__(self, lm: nn.Module, mtp: nn.Module | None):
-        super().__init__()
-        self.lm = lm
-        self.mtp = mtp
-
-    def forward(self, batch: dict, chunk_size: int, temperature: float, mtp_args: dict | None):
-        cu = batch["cu_seqlens"]
-        kwargs = dict(
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-            max_length_q=batch["max_seqlen"],
-            max_length_k=batch["max_seqlen"],
-            use_cache=False,
-        )
-        out = self.lm.model(
-            input_ids=batch["input_ids"][None], position_ids=batch["position_ids"][None], **kwargs
-        )
-        hidden = out.last_hidden_state[0]
-        head = self.lm.get_output_embeddings().weight
-        logp, entropy = chunked_logprobs_entropy(
-            hidden, head, batch["targets"], temperature=temperature, chunk_size=chunk_size
-        )
-        # Outputs must not be views: FSDP2 hooks its pre-backward on them (see its UserWarning).
-        logp, entropy = logp.clone(), entropy.clone()
-        if mtp_args is None or self.mtp is None:
-            return logp, entropy, None, {}
-        targets = mtp_args["targets"]
-        mtp_hidden = self.mtp(
-            hidden,
-            targets.embed_ids,
-            batch["position_ids"],
-            self.lm.get_input_embeddings().weight,
-            cu_seqlens=cu,
-            max_seqlen=batch["max_seqlen"],
-        )
-        loss, stats = mtp_loss(mtp_hidden, head, targets, mtp_args["loss_scale"], mtp_args["counts"])
-        return logp, entropy, loss, stats
-
-
-def _shift(x: torch.Tensor, fill) -> torch.Tensor:
-    """Token-aligned -> prediction-aligned: ``out[t] = x[t + 1]``, ``fill`` at the end."""
-    return torch.cat([x[1:], x.new_full((1,), fill)])
-
-
-def _additive(key: str) -> bool:
-    """Stats that are already fractions of a global normaliser: they add up over micro-batches."""
-    return key.startswith("mtp/") or key in ("ppo/loss", "ppo/n_valid_tokens")
-
-
-def _merge_stats(per_mb: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Across micro-batches and ranks: sums for additive keys, min / max for ``/min`` / ``/max``
-    keys, token-weighted means for the rest."""
-    keys = sorted({k for _, s in per_mb for k in s})
-    out = {}
-    for key in keys:
-        vals = [(w, s[key]) for w, s in per_mb if key in s]
-        if _additive(key):
-            out[key] = all_reduce_sum([sum(v for _, v in vals)])[0]
-        elif key.endswith("/min"):
-            local = min(v for _, v in vals)
-            out[key] = -all_reduce_max([-local])[0]
-        elif key.endswith("/max"):
-            out[key] = all_reduce_max([max(v for _, v in vals)])[0]
-        else:
-            num, den = all_reduce_sum([sum(w * v for w, v in vals), sum(w for w, _ in vals)])
-            out[key] = num / den if den else 0.0
-    return out
 
 
 class FSDPEngine:
@@ -210,10 +135,10 @@ class FSDPEngine:
                 "position_ids": packed.position_ids.to(self.device),
                 "cu_seqlens": packed.cu_seqlens.to(self.device),
                 "max_seqlen": packed.max_seqlen,
-                "targets": pack_per_token([_shift(s["input_ids"], IGNORE) for s in seqs], packed, IGNORE),
+                "targets": pack_per_token([shift_left(s["input_ids"], IGNORE) for s in seqs], packed, IGNORE),
             }
             for name, pad in fields.items():
-                mb[name] = pack_per_token([_shift(s[name], pad) for s in seqs], packed, pad)
+                mb[name] = pack_per_token([shift_left(s[name], pad) for s in seqs], packed, pad)
             for key, value in list(mb.items()):
                 if isinstance(value, torch.Tensor):
                     mb[key] = value.to(self.device)
@@ -254,20 +179,9 @@ class FSDPEngine:
         out: list[torch.Tensor | None] = [None] * len(samples)
         for indices, mb in zip(plan, mbs):
             logp, _, _, _ = self.module(mb, self.config.logprob_chunk_size, self.config.temperature, None)
-            pieces = (
-                torch.split(logp.float().cpu()[: sum(mb["packed"].seq_lens)], mb["packed"].seq_lens)
-                if not any(mb["packed"].seq_pad)
-                else self._unpack(logp.float().cpu(), mb["packed"])
-            )
-            for i, pred in zip(indices, pieces):
+            for i, pred in zip(indices, unpack_per_token(logp.float().cpu(), mb["packed"])):
                 out[i] = torch.cat([pred.new_zeros(1), pred[:-1]])  # prediction -> token alignment
         return out
-
-    @staticmethod
-    def _unpack(x: torch.Tensor, packed) -> list[torch.Tensor]:
-        from areal_npu.data.packed_layout import unpack_per_token
-
-        return unpack_per_token(x, packed)
 
     def train_step(
         self, samples: Sequence[dict], loss: str = "ppo", step: int | None = None
@@ -392,7 +306,7 @@ class FSDPEngine:
             stats.update(aux_stats)
             per_mb_stats.append((float(mb["loss_mask"].sum()), stats))
         self.module.set_requires_gradient_sync(True)
-        stats = _merge_stats(per_mb_stats)
+        stats = merge_stats(per_mb_stats)
         stats.update(pack_stats)
         stats["train/n_tokens"] = n_tokens
         return stats
@@ -460,12 +374,3 @@ class FSDPEngine:
             current = kind
         if bucket:
             yield current, bucket
-
-    @contextlib.contextmanager
-    def eval_mode(self):
-        was = self.module.training
-        self.module.eval()
-        try:
-            yield
-        finally:
-            self.module.train(was)
