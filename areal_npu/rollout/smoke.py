@@ -100,18 +100,12 @@ def generate(
     return SmokeResult(prompts, completions, logprobs, seconds, counters)
 
 
-@torch.no_grad()
 def reference_logprobs(
     model_dir: str, prompts: list[list[int]], completions: list[list[int]]
 ) -> list[torch.Tensor]:
     """log p(completion token | prefix) from a transformers forward pass, one sequence at a time."""
-    from transformers import AutoModelForCausalLM
+    from areal_npu.rollout.reference import load_model, sequence_logprobs
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    result = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        ids = torch.tensor([prompt + completion])
-        logits = model(input_ids=ids).logits[0].float()
-        logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-        result.append(logp.gather(-1, torch.tensor(completion)[:, None])[:, 0])
-    return result
+    model = load_model(model_dir)
+    with torch.no_grad():
+        return [sequence_logprobs(model, p, c).float() for p, c in zip(prompts, completions, strict=True)]
