@@ -64,6 +64,13 @@ class RLController:
         # the drafter is updated only when it is our MTP head and that head trains
         self.sync_draft = spec.enabled and spec.is_mtp and spec.sync_draft and cfg.mtp.enabled and cfg.mtp.train
         self.last_named: list | None = None  # the last pushed weights, for engines that restart
+        self.spec_driver = None
+        if spec.enabled and spec.adaptive:
+            from areal_npu.rollout.adaptive import AdaptiveSpecDriver
+
+            self.spec_driver = AdaptiveSpecDriver(
+                client, spec.adapt_config(), log=logger.print, decisions_path=run_dir / "spec_decisions.jsonl"
+            )
 
     # ---- producers ------------------------------------------------------------------------------
     async def _run_group(self, workflow, index: int, version: int) -> None:
@@ -176,6 +183,8 @@ class RLController:
 
         c = self.cfg.controller
         history = []
+        if self.spec_driver is not None:
+            await self.spec_driver.start()
         await self.client.step_metrics()  # start the counter deltas here
         for step in range(self.start_step, c.steps):
             eval_stats = {}
@@ -196,6 +205,10 @@ class RLController:
             t3 = time.perf_counter()
             t_sync = await self.push_weights()
             stats.update(await self.client.step_metrics())
+            spec_k = self.cfg.rollout.spec.num_speculative_tokens if self.cfg.rollout.spec.enabled else 0
+            if self.spec_driver is not None:
+                stats.update(await self.spec_driver.step(step, stats))
+                spec_k = int(stats["rollout/spec_k"])
             timings = {
                 "timing/gen_s": t_gen,
                 "timing/prox_s": t2 - t1,
@@ -205,7 +218,12 @@ class RLController:
                 "timing/step_s": time.perf_counter() - t0,
             }
             stats.update(timings)
-            stats.update(live_perf_metrics(timings, spec_k=self.cfg.rollout.spec.num_speculative_tokens))
+            counters = {
+                "spec_decode_num_drafts": stats.get("rollout/spec_drafts", 0.0),
+                "spec_decode_num_draft_tokens": stats.get("rollout/spec_draft_tokens", 0.0),
+                "spec_decode_num_accepted_tokens": stats.get("rollout/spec_accepted_tokens", 0.0),
+            }
+            stats.update(live_perf_metrics(timings, spec_k=spec_k, spec_counters=counters))
             stats.update(
                 {"rollout/failed_groups": float(self.failures), "rollout/version": float(self.version)}
             )

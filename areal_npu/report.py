@@ -17,6 +17,7 @@ Exit codes: 0, or 2 when the metrics file is missing, empty or unreadable.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -34,6 +35,7 @@ KEY_METRICS = (
     "rollout/spec_accept_rate",
     "rollout/spec_mean_accepted_len",
     "rollout/spec_k",
+    "rollout/tokens_per_busy_s",
     "ppo/behave_imp_weight/mean",
     "ppo/version_lag/mean",
     "ppo/version_lag/max",
@@ -215,6 +217,7 @@ def write_plots(rows: list[dict], out: Path) -> tuple[dict[str, Path], list[str]
                 Panel("step speed-up bound", ["perf/step_speedup_bound"], "×"),
                 Panel("generation fraction", ["perf/gen_fraction"], "fraction of step"),
                 Panel("draft length", ["rollout/spec_k"], "k"),
+                Panel("generation throughput", ["rollout/tokens_per_busy_s"], "tokens / engine-busy s"),
             ],
             p,
             "",
@@ -321,6 +324,14 @@ def summary_markdown(
         md += [f"| `{k}` | {_fmt(v)} |" for k, v in table]
         md.append("")
 
+    decisions = read_spec_decisions(run_dir)
+    if decisions:
+        md += ["## Draft-length decisions (adaptive speculation)", "", "| step | k | reason |", "|---|---|---|"]
+        md += [f"| {d['step']} | {d['k_from']} → {d['k_to']} | {d['reason']} |" for d in decisions[-MAX_DECISIONS:]]
+        if len(decisions) > MAX_DECISIONS:
+            md.append(f"\n(last {MAX_DECISIONS} of {len(decisions)}; all in `spec_decisions.jsonl`)")
+        md.append("")
+
     if plots:
         md += ["## Plots", ""]
         for plot_name, path in plots.items():
@@ -348,6 +359,25 @@ def summary_markdown(
             "",
         ]
     return "\n".join(md)
+
+
+MAX_DECISIONS = 20
+
+
+def read_spec_decisions(run_dir: Path) -> list[dict]:
+    """``spec_decisions.jsonl`` (written by the adaptive-speculation driver); unreadable lines skipped."""
+    path = run_dir / "spec_decisions.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and {"step", "k_from", "k_to", "reason"} <= row.keys():
+            out.append(row)
+    return out
 
 
 def build_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:

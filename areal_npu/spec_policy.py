@@ -3,8 +3,9 @@
 Pure decision logic (no engine, no clock): the controller feeds one observation per step — the draft
 length the engine ran, the per-position acceptance ``u_i`` (the fraction of verify steps whose draft
 i+1 was accepted, ``rollout/spec_accept_per_pos``) and the measured generated tokens per second — and
-applies the draft length the policy answers with. Rules, in order, once a draft length has been
-measured for ``window`` steps:
+applies the draft length the policy answers with. Acceptance is a precise statistic after one
+step (thousands of drafts), throughput is noisy; so rules 1-2 judge a draft length after
+``accept_window`` steps, rules 3-4 after ``window`` steps:
 
 1. mean acceptance ``Σ u_i / k`` below ``off_accept``: speculation off (k = 0) at once;
 2. conditional acceptance of the deepest position ``u_k / u_{k-1}`` below ``deep_accept_floor``: k - 1;
@@ -13,7 +14,8 @@ measured for ``window`` steps:
    ``switch_margin``, else hold k for ``explore_every`` steps (doubling, up to ``explore_max``, while
    exploring keeps confirming the same k);
 4. the best k not beating the k = 0 baseline by ``min_gain``: speculation off;
-5. off for ``reprobe_every`` steps: probe again at the last k that paid.
+5. off for ``reprobe_every`` steps: probe again at the last k that paid; each probe that ends off
+   again doubles the wait (up to ``reprobe_max``), a probe that pays resets it.
 
 Each decision comes back as a :class:`SpecDecision` with a human-readable reason.
 """
@@ -31,7 +33,8 @@ class SpecAdaptConfig:
     k_max: int = 4  # deepest draft the engine was started with (num_speculative_tokens)
     k_min: int = 1  # shallowest draft tried while speculation is on
     k_init: int = 2  # draft length of the first steps
-    window: int = 3  # steps measured at a draft length before judging it
+    window: int = 3  # steps measured at a draft length before judging its throughput
+    accept_window: int = 1  # steps measured at a draft length before judging its acceptance
     min_gain: float = 0.03  # speculation must beat k = 0 tokens/s by this fraction to stay on
     switch_margin: float = 0.01  # a neighbour must beat the current k by this fraction to move there
     off_accept: float = 0.05  # mean acceptance below which speculation is switched off at once
@@ -40,6 +43,7 @@ class SpecAdaptConfig:
     explore_max: int = 80  # the hold doubles, up to this, each time exploring confirms the same k
     baseline_every: int = 50  # steps a k = 0 measurement stays valid
     reprobe_every: int = 20  # steps with speculation off before it is probed again
+    reprobe_max: int = 160  # the wait doubles, up to this, while probes keep failing
 
     def validate(self) -> SpecAdaptConfig:
         for f in fields(self):
@@ -58,7 +62,11 @@ class SpecAdaptConfig:
             raise ValueError(
                 f"explore_max: must be ≥ explore_every={self.explore_every}, got {self.explore_max}"
             )
-        for name in ("window", "explore_every", "reprobe_every"):
+        if self.reprobe_max < self.reprobe_every:
+            raise ValueError(
+                f"reprobe_max: must be ≥ reprobe_every={self.reprobe_every}, got {self.reprobe_max}"
+            )
+        for name in ("window", "accept_window", "explore_every", "reprobe_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be ≥ 1, got {getattr(self, name)}")
         if self.baseline_every < self.window:
@@ -96,6 +104,8 @@ class AdaptiveSpec:
         self._cap = self.config.k_max
         self._last_good_k = self.config.k_init
         self._hold = self.config.explore_every
+        self._reprobe_wait = self.config.reprobe_every
+        self._probing_on = False  # a re-probe is running and has not paid yet
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _mean_tps(self, k: int, max_age: int) -> float | None:
@@ -105,6 +115,10 @@ class AdaptiveSpec:
         return sum(t for _, t in samples) / len(samples)
 
     def _decide(self, k_to: int, reason: str) -> SpecDecision:
+        if k_to == 0 and self.k > 0 and self._probing_on and not self._baseline_probe:
+            self._probing_on = False
+            self._reprobe_wait = min(2 * self._reprobe_wait, self.config.reprobe_max)
+            reason += f"; next probe in {self._reprobe_wait} steps"
         decision = SpecDecision(self.step, self.k, k_to, reason)
         self._accept.clear()
         self._since_change = 0
@@ -127,7 +141,7 @@ class AdaptiveSpec:
             return self._observe_off()
         u = [float(x) for x in list(accept_per_pos)[:k]]
         self._accept.append(u + [0.0] * (k - len(u)))
-        if self._since_change < cfg.window:
+        if self._since_change < cfg.accept_window:
             return None
         mean_u = [sum(col) / len(self._accept) for col in zip(*self._accept)]
         rate = sum(mean_u) / k
@@ -145,7 +159,7 @@ class AdaptiveSpec:
                 f"acceptance of draft position {k} is {deep:.3f} < deep_accept_floor "
                 f"{cfg.deep_accept_floor}: k {k} → {k - 1}",
             )
-        if self.step < self._hold_until:
+        if self._since_change < cfg.window or self.step < self._hold_until:
             return None
         return self._search()
 
@@ -171,8 +185,9 @@ class AdaptiveSpec:
                 return decision
             gain = f"+{on[best] / base - 1:.1%} at k={best}" if best is not None else "nothing measured"
             return self._decide(0, f"speculation off: {gain} over k=0 is below min_gain {cfg.min_gain:.0%}")
-        if self._since_change >= cfg.reprobe_every:
+        if self._since_change >= self._reprobe_wait:
             self._cap = cfg.k_max
+            self._probing_on = True
             probe = max(cfg.k_min, min(self._last_good_k, cfg.k_max))
             return self._decide(
                 probe, f"re-probing speculation at k={probe} after {self._since_change} steps off"
@@ -207,6 +222,8 @@ class AdaptiveSpec:
                 f"({here / base - 1:+.1%} < min_gain {cfg.min_gain:.0%}); off",
             )
         self._hold = min(2 * self._hold, cfg.explore_max) if self._last_good_k == k else cfg.explore_every
+        self._probing_on = False
+        self._reprobe_wait = cfg.reprobe_every  # speculation pays again: probe promptly next time
         self._last_good_k = k
         self._hold_until = self.step + self._hold
         self._cap = cfg.k_max  # the next exploration may go deeper again (the drafter keeps training)

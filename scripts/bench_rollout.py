@@ -22,7 +22,18 @@ Heads (``--head``):
 
 If the trained head cannot be built (warm start unavailable), the bench says so and uses ``oracle``.
 
+``--adaptive`` runs the adaptive-speculation comparison instead: for a good drafter (the oracle
+head) and a bad one (random head), every fixed k (k = 0: an engine without speculation; k >= 1:
+an engine started with that k) and the adaptive engine (``spec.adaptive``, k_max = the largest
+k, draft length chosen each step by ``areal_npu.rollout.adaptive``) generate the same sequence of
+steps (``--batch`` concurrent requests of ``--max-tokens`` tokens each). Reported per row: tokens/s
+over all steps (wall clock, exploration and probes included), the median step, and for the
+adaptive row the ratio to the best fixed k and the steps spent at each k. The model is wider than
+the tests' (``--width``): on a 2-layer, 128-wide model vLLM's per-step overhead hides what
+speculation saves.
+
     .venv/bin/python scripts/bench_rollout.py [--quick] [--head trained|oracle|random] [--json PATH]
+    .venv/bin/python scripts/bench_rollout.py --adaptive [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -135,15 +146,16 @@ async def measure(
     }
 
 
-def start_engine(model_dir: Path, k: int, work: Path, max_seqs: int) -> EngineProcess:
-    spec = SpecConfig(method="mtp", num_speculative_tokens=k) if k else SpecConfig()
+def start_engine(model_dir: Path, k: int, work: Path, max_seqs: int, adaptive: bool = False) -> EngineProcess:
+    spec = SpecConfig(method="mtp", num_speculative_tokens=k, adaptive=adaptive) if k else SpecConfig()
     cfg = RolloutConfig(model=str(model_dir), max_model_len=1024, spec=spec, log_dir=str(work / "logs"),
                         startup_timeout_s=900, extra_engine_args={"max_num_seqs": max_seqs})  # fmt: skip
     cfg.validate()
     engine = EngineProcess(cfg, index=k)
     t0 = time.perf_counter()
     engine.start()
-    print(f"[bench] k={k}: engine up in {time.perf_counter() - t0:.0f} s", flush=True)
+    kind = "adaptive, k_max=" if adaptive else "k="
+    print(f"[bench] {kind}{k}: engine up in {time.perf_counter() - t0:.0f} s", flush=True)
     return engine
 
 
@@ -163,7 +175,14 @@ def main(argv=None) -> int:
         "--repeats", type=int, default=0, help="runs per cell, best kept (default 3; 2 with --quick)"
     )
     parser.add_argument("--json", help="write results here")
+    parser.add_argument("--adaptive", action="store_true", help="adaptive vs fixed k, good and bad drafter")
+    parser.add_argument("--batch", type=int, default=2, help="--adaptive: concurrent requests per step")
+    parser.add_argument("--steps", type=int, default=0, help="--adaptive: adaptive steps (default 80; 40 --quick)")
+    parser.add_argument("--fixed-steps", type=int, default=0, help="--adaptive: steps per fixed k (default 10; 6)")
+    parser.add_argument("--width", type=int, default=1024, help="--adaptive: hidden size of the model")
     args = parser.parse_args(argv)
+    if args.adaptive:
+        return adaptive_main(args)
     ks = [int(k) for k in args.ks.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     max_tokens = args.max_tokens or (64 if args.quick else 256)
@@ -237,6 +256,137 @@ def print_table(rows, head, max_tokens, temperature, draft_cost) -> None:
             f"{r['speedup']:.2f}x",
             f"{r['ideal_speedup']:.2f}x",
             f"{r['predicted_speedup']:.2f}x",
+        )
+    Console().print(table)
+
+
+# ---- adaptive speculation ----------------------------------------------------------------------
+
+
+def adaptive_models(work: Path, width: int) -> dict[str, Path]:
+    from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+    from areal_npu.rollout.synthetic import save_aligned_model
+
+    cfg = TinyModelConfig(hidden_size=width, intermediate_size=3 * width, num_hidden_layers=4,
+                          num_attention_heads=max(4, width // 64), num_key_value_heads=max(2, width // 256),
+                          head_dim=64)  # fmt: skip
+    return {
+        # residual 0.01: near-bigram backbone the MTP oracle follows (acceptance ~0.9 at depth 1)
+        "good": save_aligned_model(work / f"good-{width}", cfg, residual_scale=0.01),
+        "bad": save_tiny_model(work / f"bad-{width}", cfg),
+    }
+
+
+async def run_steps(engine, steps: int, batch: int, max_tokens: int, driver_cfg=None, log=print) -> dict:
+    """``steps`` batches of ``batch`` requests; with ``driver_cfg`` the adaptive driver sets k each step."""
+    from areal_npu.rollout.adaptive import AdaptiveSpecDriver
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(steps * batch)]
+    async with RolloutClient([engine], max_retries=0) as client:
+        driver = None
+        if driver_cfg is not None:
+            driver = AdaptiveSpecDriver(client, driver_cfg, log=log)
+            await driver.start()
+        await asyncio.gather(*(client.generate(p, max_tokens=8) for p in prompts[:batch]))  # warm-up
+        await client.step_metrics()
+        per_step, ks, drafted, accepted = [], [], 0.0, 0.0
+        start = time.perf_counter()
+        for step in range(steps):
+            t0 = time.perf_counter()
+            chunk = prompts[step * batch : (step + 1) * batch]
+            results = await asyncio.gather(
+                *(client.generate(p, max_tokens=max_tokens, temperature=1.0, ignore_eos=True) for p in chunk)
+            )
+            if any(r.failed for r in results):
+                raise RuntimeError(next(r.error for r in results if r.failed))
+            per_step.append(sum(len(r.samples[0].output_ids) for r in results) / (time.perf_counter() - t0))
+            stats = await client.step_metrics()
+            drafted += stats["rollout/spec_draft_tokens"]
+            accepted += stats["rollout/spec_accepted_tokens"]
+            if driver is not None:
+                ks.append(int((await driver.step(step, stats))["rollout/spec_k"]))
+        seconds = time.perf_counter() - start
+    from statistics import median
+
+    return {
+        "tokens_per_s": steps * batch * max_tokens / seconds,
+        "median_step_tokens_per_s": median(per_step),
+        "accept_rate": accepted / drafted if drafted else 0.0,
+        "ks": ks,
+    }
+
+
+def adaptive_main(args) -> int:
+    from collections import Counter
+
+    from areal_npu.spec_policy import SpecAdaptConfig
+
+    ks = [int(k) for k in args.ks.split(",")]
+    k_max = max(ks)
+    steps = args.steps or (40 if args.quick else 80)
+    fixed_steps = args.fixed_steps or (6 if args.quick else 10)
+    max_tokens = args.max_tokens or (32 if args.quick else 48)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-adaptive-"))
+    models = adaptive_models(work, args.width)
+    rows = []
+    for head, model_dir in models.items():
+        for k in sorted(set([0, *ks])):
+            engine = start_engine(model_dir, k, work, args.batch)
+            try:
+                row = asyncio.run(run_steps(engine, fixed_steps, args.batch, max_tokens))
+            finally:
+                engine.stop()
+            rows.append({"head": head, "mode": f"k={k}", "k": k, **row})
+            print(f"[bench] {head} k={k}: {row['tokens_per_s']:.1f} tok/s accept {row['accept_rate']:.2f}", flush=True)
+        engine = start_engine(model_dir, k_max, work, args.batch, adaptive=True)
+        decisions: list[str] = []
+
+        def log(line: str, decisions=decisions) -> None:
+            decisions.append(line)
+            print(line, flush=True)
+
+        try:
+            policy = SpecAdaptConfig(k_max=k_max, k_init=min(2, k_max))
+            row = asyncio.run(run_steps(engine, steps, args.batch, max_tokens, policy, log=log))
+        finally:
+            engine.stop()
+        best = max((r for r in rows if r["head"] == head), key=lambda r: r["tokens_per_s"])
+        row.update(
+            head=head, mode="adaptive", k=None, decisions=decisions, best_fixed=best["mode"],
+            ratio_to_best=row["tokens_per_s"] / best["tokens_per_s"],
+            steps_at_k={str(k): n for k, n in sorted(Counter(row["ks"]).items())},
+        )  # fmt: skip
+        rows.append(row)
+        print(f"[bench] {head} adaptive: {row['tokens_per_s']:.1f} tok/s = {row['ratio_to_best']:.3f} x best fixed ({best['mode']})", flush=True)
+    print_adaptive_table(rows, args.batch, max_tokens, steps, fixed_steps, args.width)
+    if args.json:
+        payload = {"bench": "adaptive", "width": args.width, "batch": args.batch, "max_tokens": max_tokens,
+                   "steps": steps, "fixed_steps": fixed_steps, "quick": args.quick, "rows": rows}  # fmt: skip
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+def print_adaptive_table(rows, batch, max_tokens, steps, fixed_steps, width) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"adaptive vs fixed draft length (width {width}, batch {batch}, {max_tokens} tokens/request, "
+        f"{fixed_steps} steps per fixed k, {steps} adaptive steps)"
+    )
+    for col in ("drafter", "mode", "tok/s", "median step", "accept", "vs best fixed", "steps at k"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        adaptive = r["mode"] == "adaptive"
+        table.add_row(
+            r["head"],
+            r["mode"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['median_step_tokens_per_s']:.1f}",
+            f"{r['accept_rate']:.2f}" if r["accept_rate"] else "-",
+            f"{r['ratio_to_best']:.3f}x ({r['best_fixed']})" if adaptive else "",
+            " ".join(f"k{k}:{n}" for k, n in r["steps_at_k"].items()) if adaptive else "",
         )
     Console().print(table)
 

@@ -140,3 +140,15 @@ def test_missing_or_empty_metrics_exit_2(tmp_path, capsys, content):
 def test_missing_run_dir_exit_2(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_spec_decisions_are_listed(tmp_path):
+    """The adaptive driver's decision log appears in the report (last 20, newest last); junk lines skipped."""
+    _write_run(tmp_path, _full_rows(n=5))
+    decisions = [{"step": s, "k_from": s % 3, "k_to": (s + 1) % 3, "reason": f"reason {s}"} for s in range(25)]
+    lines = [json.dumps(d) for d in decisions] + ["not json", json.dumps({"step": 99})]
+    (tmp_path / "spec_decisions.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["report", str(tmp_path)]) == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Draft-length decisions" in md and "last 20 of 25" in md
+    assert "| 24 | 0 → 1 | reason 24 |" in md and "reason 4 |" not in md and "| 99 |" not in md

@@ -53,13 +53,15 @@ def test_random_drafter_is_switched_off_fast_and_reprobed():
     cfg = SpecAdaptConfig(k_init=2, window=3, reprobe_every=20)
     engine = SimEngine([0.01], draft_cost=0.15)
     policy = AdaptiveSpec(cfg)
-    ks, decisions = drive(policy, engine, 60)
+    ks, decisions = drive(policy, engine, 100)
     first_off = ks.index(0)
-    assert first_off <= cfg.window + 1
+    assert first_off == cfg.accept_window  # acceptance is judged after one step, not a whole window
     assert "acceptance" in decisions[0].reason and decisions[0].k_to == 0
     probes = [d for d in decisions if d.k_from == 0 and d.k_to > 0]
     assert probes and "re-probing" in probes[0].reason
     assert probes[0].step == first_off + cfg.reprobe_every
+    # a failed probe doubles the wait before the next one
+    assert len(probes) >= 2 and probes[1].step - probes[0].step == 2 * cfg.reprobe_every + cfg.accept_window
     # Each probe ends off again within a window; most steps run autoregressive.
     assert ks.count(0) >= 0.8 * len(ks)
     assert policy.k == 0 or policy.step - probes[-1].step < cfg.window
@@ -81,7 +83,7 @@ def test_speculation_that_does_not_pay_is_turned_off():
     # Drafts accepted (0.3) but too expensive (r = 0.5): every k > 0 is slower than k = 0.
     engine = SimEngine([0.3], draft_cost=0.5)
     assert all(engine.true_tps(k) < engine.true_tps(0) for k in range(1, 5))
-    policy = AdaptiveSpec(SpecAdaptConfig(k_init=2, reprobe_every=200))
+    policy = AdaptiveSpec(SpecAdaptConfig(k_init=2, reprobe_every=200, reprobe_max=200))
     ks, decisions = drive(policy, engine, 40)
     assert ks[-10:] == [0] * 10
     assert any("min_gain" in d.reason for d in decisions)
@@ -90,7 +92,8 @@ def test_speculation_that_does_not_pay_is_turned_off():
 @pytest.mark.parametrize(
     "field,value",
     [("k_min", 0), ("k_max", 0), ("k_init", 9), ("window", 0), ("min_gain", -0.1), ("off_accept", 1.5),
-     ("deep_accept_floor", -1.0), ("baseline_every", 1), ("explore_max", 1), ("reprobe_every", 0)],
+     ("deep_accept_floor", -1.0), ("baseline_every", 1), ("explore_max", 1), ("reprobe_every", 0),
+     ("accept_window", 0), ("reprobe_max", 1)],
 )  # fmt: skip
 def test_config_validation_names_the_field(field, value):
     cfg = SpecAdaptConfig(**{field: value})

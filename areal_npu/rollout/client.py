@@ -50,6 +50,32 @@ class EngineFailure(RuntimeError):
     pass
 
 
+class BusyClock:
+    """Engine-seconds with work: summed over engines, the time each had a request in flight while
+    generation was not paused (weight updates pause it). ``tick`` before every change of either."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.total = 0.0
+        self.paused = False
+        self._last = clock()
+        self._read = 0.0
+
+    def tick(self, in_flight: list[int], paused: bool | None = None) -> None:
+        now = self.clock()
+        if not self.paused:
+            self.total += (now - self._last) * sum(1 for n in in_flight if n > 0)
+        self._last = now
+        if paused is not None:
+            self.paused = paused
+
+    def delta(self, in_flight: list[int]) -> float:
+        """Busy engine-seconds since the previous ``delta``."""
+        self.tick(in_flight)
+        out, self._read = self.total - self._read, self.total
+        return out
+
+
 class RolloutClient:
     """Client over one or more engines (``EngineProcess`` objects, or plain URLs without supervision)."""
 
@@ -76,6 +102,8 @@ class RolloutClient:
         self.restart_locks = [asyncio.Lock() for _ in self.engines]
         self.generation = [0] * len(self.engines)  # bumped on every restart
         self.tracker = SpecMetricsTracker()
+        self.busy = BusyClock()
+        self.spec_k: int | None = None  # the draft length last set (re-applied after a restart)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
@@ -148,6 +176,7 @@ class RolloutClient:
             generation = self.generation[i]
             result.attempts = attempt + 1
             body["request_id"] = f"{request_id}-{attempt}"
+            self.busy.tick(self.in_flight)
             self.in_flight[i] += 1
             try:
                 data = await self._post_json(i, "/areal/generate", body)
@@ -159,6 +188,7 @@ class RolloutClient:
                 await self._recover(i, generation)
                 continue
             finally:
+                self.busy.tick(self.in_flight)
                 self.in_flight[i] -= 1
             result.engine = i
             result.samples = [
@@ -227,6 +257,11 @@ class RolloutClient:
                 return
             await asyncio.to_thread(engine.restart)
             self.generation[i] += 1
+            if self.spec_k is not None:
+                try:
+                    await self._post_json(i, "/areal/spec_k", {"k": self.spec_k})
+                except EngineFailure as exc:
+                    logger.warning("re-applying spec_k=%d on engine %d failed: %s", self.spec_k, i, exc)
             if self.on_restart is not None:
                 # inside the lock: retries wait until the trainer has re-sent its weights
                 try:
@@ -240,10 +275,17 @@ class RolloutClient:
         return list(await asyncio.gather(*(fn(i) for i in range(len(self.engines)))))
 
     async def pause(self) -> None:
+        self.busy.tick(self.in_flight, paused=True)
         await self._all(lambda i: self._post_json(i, "/areal/pause", {"mode": "keep"}))
 
     async def resume(self) -> None:
         await self._all(lambda i: self._post_json(i, "/areal/resume"))
+        self.busy.tick(self.in_flight, paused=False)
+
+    async def set_spec_k(self, k: int) -> None:
+        """Draft length of every engine from its next scheduler step on (engines with ``spec.adaptive``)."""
+        await self._all(lambda i: self._post_json(i, "/areal/spec_k", {"k": int(k)}))
+        self.spec_k = int(k)
 
     async def versions(self) -> list[int]:
         return [d["version"] for d in await self._all(lambda i: self._get_json(i, "/areal/version"))]
@@ -257,8 +299,13 @@ class RolloutClient:
         return total
 
     async def step_metrics(self) -> dict[str, float]:
-        """``rollout/spec_*`` and ``rollout/tokens_per_s`` since the previous call (counter deltas)."""
-        return self.tracker.step(await self.counters())
+        """``rollout/spec_*``, ``rollout/tokens_per_s`` (wall clock) and ``rollout/tokens_per_busy_s``
+        (per second an engine had work: the throughput speculation changes) since the previous call."""
+        stats = self.tracker.step(await self.counters())
+        busy = self.busy.delta(self.in_flight)
+        stats["rollout/busy_s"] = busy
+        stats["rollout/tokens_per_busy_s"] = stats["rollout/generated_tokens"] / busy if busy > 0 else 0.0
+        return stats
 
     async def update_weights(
         self,
@@ -277,6 +324,7 @@ class RolloutClient:
         policy, draft = split_policy_and_draft(named_tensors)
         max_bytes = bucket_bytes or self.bucket_bytes
         start = time.perf_counter()
+        self.busy.tick(self.in_flight, paused=True)
         await self._all(lambda i: self._post_json(i, "/areal/update_weights/begin"))
         buckets = 0
         try:
@@ -293,6 +341,7 @@ class RolloutClient:
             results = await self._all(
                 lambda i: self._post_json(i, "/areal/update_weights/commit", {"version": version})
             )
+            self.busy.tick(self.in_flight, paused=False)
         return {
             "version": version,
             "buckets": buckets,

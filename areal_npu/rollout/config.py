@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from areal_npu.config import ConfigError
@@ -52,6 +52,13 @@ class SpecConfig:
     sync_draft: bool = True
     prompt_lookup_max: int = 4  # ngram only
     prompt_lookup_min: int = 2  # ngram only
+    # Adaptive draft length (areal_npu.spec_policy): num_speculative_tokens becomes the deepest k
+    # tried; the trainer changes k between steps (0 = off) from measured acceptance and tokens/s.
+    adaptive: bool = False
+    adapt: dict[str, Any] = field(default_factory=dict)  # SpecAdaptConfig fields (k_max is set here)
+    # At k = 0 vLLM still runs the drafter to keep its KV cache complete; we skip it (see
+    # areal_npu/compat/vllm_spec_off.py). True keeps vLLM's behaviour.
+    off_keeps_drafter_kv: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -79,6 +86,34 @@ class SpecConfig:
             )
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be in [1, prompt_lookup_max]")
+        if self.adaptive:
+            if not self.enabled:
+                raise ConfigError("adaptive", "adaptive speculation needs spec.method and num_speculative_tokens >= 1")
+            if not self.is_mtp:
+                raise ConfigError(
+                    "adaptive",
+                    f"method {self.method!r}: adaptive draft length is built and tested for MTP drafters only",
+                )
+            self.adapt_config()
+        elif self.adapt:
+            raise ConfigError("adapt", "is only read when adaptive is true")
+
+    def adapt_config(self):
+        """The adaptive policy's settings: ``adapt`` overrides, ``k_max`` = num_speculative_tokens."""
+        from areal_npu.spec_policy import SpecAdaptConfig
+
+        known = {f.name for f in fields(SpecAdaptConfig)}
+        unknown = sorted(set(self.adapt) - known)
+        if unknown:
+            raise ConfigError(f"adapt.{unknown[0]}", f"unknown key; valid: {', '.join(sorted(known))}")
+        if "k_max" in self.adapt:
+            raise ConfigError("adapt.k_max", "set spec.num_speculative_tokens instead (it is k_max)")
+        values = {"k_init": min(2, self.num_speculative_tokens), **self.adapt, "k_max": self.num_speculative_tokens}
+        try:
+            return SpecAdaptConfig(**values).validate()
+        except (TypeError, ValueError) as exc:
+            name = str(exc).split(":")[0]
+            raise ConfigError(f"adapt.{name}" if name in known else "adapt", str(exc)) from None
 
     def vllm_dict(self) -> dict[str, Any] | None:
         """The ``speculative_config`` vLLM takes, or None when speculation is off."""
@@ -94,6 +129,10 @@ class SpecConfig:
         if self.method == "ngram":
             out["prompt_lookup_max"] = self.prompt_lookup_max
             out["prompt_lookup_min"] = self.prompt_lookup_min
+        if self.adaptive:
+            from areal_npu.rollout.spec_k import dynamic_table
+
+            out["num_speculative_tokens_per_batch_size"] = dynamic_table(self.adapt_config().k_init)
         return out
 
 
@@ -201,6 +240,8 @@ class RolloutConfig:
         spec = self.spec.vllm_dict()
         if spec is not None:
             args += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
+            if self.spec.adaptive:
+                args += ["--scheduler-cls", "areal_npu.rollout.spec_k.runtime_k_scheduler"]
         for key, value in self.extra_engine_args.items():
             flag = "--" + key.replace("_", "-")
             if value is True:

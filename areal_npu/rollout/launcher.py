@@ -48,21 +48,31 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def cpu_binding(cfg: RolloutConfig, index: int) -> dict[str, str]:
-    """Disjoint CPU cores per engine on the CPU backend.
+ENGINE_CPUS_ENV = "AREAL_ENGINE_CPUS"
 
-    vLLM's CPU worker binds its OpenMP threads itself ("auto": the same cores for every engine on a
-    machine), so several data-parallel engines would all compute on the same cores. Each engine
-    gets its own slice of this process's cores instead, unless ``VLLM_CPU_OMP_THREADS_BIND`` is set.
+
+def cpu_binding(cfg: RolloutConfig, index: int) -> dict[str, str]:
+    """On the CPU backend, the cores of engine ``index``: its whole process group runs there.
+
+    Engines take the last cores of this process's affinity, ``n // (num_engines + 1)`` each (at
+    least one), leaving the first ones to the trainer, which computes at the same time in
+    asynchronous RL. Both vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``) and the engine's
+    other processes (server, engine core; ``AREAL_ENGINE_CPUS``, applied by the server at start)
+    are bound to that slice. Why the whole group: vLLM hands every step from the engine-core
+    process to the worker and back; on the 2-vCPU VMs we measured, with those processes on
+    different cores a tiny model decoded 4-6x slower and bimodally (cross-core wake-ups), with
+    all of them on one core it was fast and steady (docs/BENCHMARKS.md). A user's
+    ``VLLM_CPU_OMP_THREADS_BIND`` wins: then nothing is pinned.
     """
-    if cfg.device_type() != "cpu" or cfg.num_engines < 2 or cfg.tensor_parallel_size != 1:
+    if cfg.device_type() != "cpu" or cfg.tensor_parallel_size != 1:
         return {}
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
     cores = sorted(os.sched_getaffinity(0))
-    per_engine = max(1, len(cores) // cfg.num_engines)
-    start = (index * per_engine) % len(cores)
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores[start : start + per_engine])}
+    per_engine = max(1, len(cores) // (cfg.num_engines + 1))
+    end = len(cores) - (index % max(1, len(cores) // per_engine)) * per_engine
+    picked = ",".join(str(c) for c in cores[end - per_engine : end])
+    return {"VLLM_CPU_OMP_THREADS_BIND": picked, ENGINE_CPUS_ENV: picked}
 
 
 def _kill_all_live(*_args) -> None:

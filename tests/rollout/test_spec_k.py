@@ -1,0 +1,178 @@
+"""Runtime draft length: control file, scheduler hook, config and the adaptive driver (no engine).
+
+The engine-level behaviour (vLLM really drafts k tokens after ``POST /areal/spec_k``) is in
+``test_adaptive_engine.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from areal_npu.config import ConfigError
+from areal_npu.rollout import spec_k
+from areal_npu.rollout.adaptive import AdaptiveSpecDriver, accept_per_pos
+from areal_npu.rollout.config import RolloutConfig, SpecConfig
+from areal_npu.spec_policy import SpecAdaptConfig
+
+
+def test_control_file_round_trip_is_atomic(tmp_path):
+    path = tmp_path / "k"
+    assert spec_k.read_k(path) is None
+    for k in (3, 0, 2):
+        spec_k.write_k(path, k)
+        assert spec_k.read_k(path) == k
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k"]  # no temporary left behind
+    path.write_text("garbage\n")
+    assert spec_k.read_k(path) is None
+
+
+class FakeScheduler:
+    """vLLM's Scheduler surface the mixin touches: num_spec_tokens, max_num_seqs, schedule()."""
+
+    def __init__(self, num_spec_tokens=3, max_num_seqs=4):
+        self.num_spec_tokens = num_spec_tokens
+        self.scheduler_config = SimpleNamespace(max_num_seqs=max_num_seqs)
+        self.dynamic_sd_lookup = None
+        self.calls = 0
+
+    def schedule(self):
+        self.calls += 1
+        return list(self.dynamic_sd_lookup) if self.dynamic_sd_lookup is not None else None
+
+
+class HookedScheduler(spec_k._RuntimeK, FakeScheduler):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._areal_init_runtime_k()
+
+
+def test_scheduler_applies_the_file_before_each_step_and_clamps(tmp_path, monkeypatch):
+    path = tmp_path / "k"
+    spec_k.write_k(path, 2)
+    monkeypatch.setenv(spec_k.ENV_FILE, str(path))
+    sched = HookedScheduler(num_spec_tokens=3, max_num_seqs=4)
+    assert sched.schedule() == [2] * 5  # index = batch size, 0..max_num_seqs
+    spec_k.write_k(path, 0)
+    os.utime(path, ns=(1, 10**18))  # a distinct mtime even on coarse-clock file systems
+    assert sched.schedule() == [0] * 5 and sched.areal_spec_k == 0
+    spec_k.write_k(path, 9)  # above the engine's num_speculative_tokens
+    os.utime(path, ns=(1, 2 * 10**18))
+    assert sched.schedule() == [3] * 5 and sched.areal_spec_k == 3
+    assert sched.calls == 3
+
+
+def test_scheduler_without_control_file_keeps_vllm_behaviour(monkeypatch):
+    monkeypatch.delenv(spec_k.ENV_FILE, raising=False)
+    sched = HookedScheduler()
+    assert sched.schedule() is None and sched.areal_spec_k == 3
+
+
+def test_factory_extends_the_scheduler_vllm_chose(monkeypatch):
+    made = []
+
+    class Sync:
+        def __init__(self, *args, vllm_config, **kwargs):
+            made.append(("sync", kwargs))
+
+    class Async(Sync):
+        def __init__(self, *args, vllm_config, **kwargs):
+            made.append(("async", kwargs))
+
+    monkeypatch.setattr(spec_k, "_classes", lambda: (Sync, Async))
+    for flag, expected in ((False, "sync"), (True, "async")):
+        config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=flag))
+        spec_k.runtime_k_scheduler(vllm_config=config, block_size=16)
+        assert made[-1] == (expected, {"block_size": 16})
+
+
+def test_factory_classes_subclass_vllm_schedulers():
+    pytest.importorskip("vllm")
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    sync_cls, async_cls = spec_k._classes()
+    assert issubclass(sync_cls, Scheduler) and not issubclass(sync_cls, AsyncScheduler)
+    assert issubclass(async_cls, AsyncScheduler)
+    # the hook runs before vLLM's own schedule()
+    assert sync_cls.schedule is spec_k._RuntimeK.schedule
+
+
+# ---- config ----
+
+
+def adaptive(**kwargs) -> SpecConfig:
+    return SpecConfig(method="mtp", num_speculative_tokens=kwargs.pop("k", 3), adaptive=True, **kwargs)
+
+
+def test_adaptive_engine_arguments():
+    c = RolloutConfig(model="/ckpt", device="cpu", spec=adaptive())
+    c.validate()
+    args = c.vllm_cli_args(8000)
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec["num_speculative_tokens"] == 3  # k_max
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, spec_k.BATCH_RANGE_END, 2]]  # k_init
+    assert args[args.index("--scheduler-cls") + 1] == "areal_npu.rollout.spec_k.runtime_k_scheduler"
+    plain = RolloutConfig(model="/ckpt", device="cpu", spec=SpecConfig(method="mtp", num_speculative_tokens=3))
+    assert "--scheduler-cls" not in plain.vllm_cli_args(8000)
+    assert adaptive(k=1).adapt_config().k_init == 1 and adaptive(adapt={"k_init": 3}).adapt_config().k_init == 3
+
+
+@pytest.mark.parametrize(
+    ("spec", "key", "match"),
+    [
+        (SpecConfig(adaptive=True), "adaptive", "needs spec.method"),
+        (SpecConfig(method="ngram", num_speculative_tokens=2, adaptive=True), "adaptive", "MTP drafters only"),
+        (adaptive(adapt={"windw": 2}), "adapt.windw", "unknown key"),
+        (adaptive(adapt={"k_max": 2}), "adapt.k_max", "num_speculative_tokens"),
+        (adaptive(adapt={"k_init": 5}), "adapt.k_init", r"\[1, 3\]"),
+        (adaptive(adapt={"window": 0}), "adapt.window", ">= 1|≥ 1"),
+        (SpecConfig(method="mtp", num_speculative_tokens=2, adapt={"window": 2}), "adapt", "adaptive is true"),
+    ],
+)
+def test_adaptive_config_errors_name_the_key(spec, key, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        spec.validate()
+    assert err.value.key == key
+
+
+# ---- driver ----
+
+
+class RecordingClient:
+    def __init__(self):
+        self.k_calls: list[int] = []
+
+    async def set_spec_k(self, k: int) -> None:
+        self.k_calls.append(k)
+
+
+def test_accept_per_pos_reads_the_step_metrics():
+    stats = {"rollout/spec_accept_rate_pos0": 0.8, "rollout/spec_accept_rate_pos1": 0.5}
+    assert accept_per_pos(stats, 3) == [0.8, 0.5, 0.0]
+
+
+def test_driver_applies_and_logs_each_decision(tmp_path):
+    """Rejected drafts (acceptance 0.01 < off_accept) for `window` steps: the driver sets k=0 on the
+    engines once, logs why, and reports the k each step ran with."""
+    client, lines = RecordingClient(), []
+    cfg = SpecAdaptConfig(k_max=3, k_init=2, window=2)
+    driver = AdaptiveSpecDriver(client, cfg, log=lines.append, decisions_path=tmp_path / "d.jsonl")
+
+    async def run():
+        await driver.start()
+        bad = {"rollout/spec_accept_rate_pos0": 0.01, "rollout/spec_accept_rate_pos1": 0.0,
+               "rollout/tokens_per_busy_s": 100.0}  # fmt: skip
+        return [await driver.step(s, bad) for s in range(3)]
+
+    out = asyncio.run(run())
+    assert client.k_calls == [2, 0]
+    assert [o["rollout/spec_k"] for o in out] == [2.0, 2.0, 0.0]
+    assert [o["rollout/spec_k_next"] for o in out] == [2.0, 0.0, 0.0]
+    rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["k_from"], r["k_to"]) for r in rows] == [(1, 2, 0)]
+    assert "acceptance" in rows[0]["reason"] and len(lines) == 1 and "k 2 -> 0" in lines[0]
