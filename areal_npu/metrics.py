@@ -262,6 +262,14 @@ class StatsLogger:
                 self._tb.add_scalar(key, value, global_step=step)
         self._tb.flush()
 
+    def print(self, message: str) -> None:
+        """A one-off message (a dropped group, a draft-length change): above the progress bar when
+        there is one, else a plain line on the status stream."""
+        if self._progress is not None:
+            self._progress.console.print(message, markup=False, highlight=False)
+        else:
+            print(message, file=self._stream, flush=True)
+
     def _show(self, step: int, line: str) -> None:
         if self._live is None:
             from rich.console import Console

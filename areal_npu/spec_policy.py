@@ -10,9 +10,10 @@ step (thousands of drafts), throughput is noisy; so rules 1-2 judge a draft leng
 1. mean acceptance ``Σ u_i / k`` below ``off_accept``: speculation off (k = 0) at once;
 2. conditional acceptance of the deepest position ``u_k / u_{k-1}`` below ``deep_accept_floor``: k - 1;
 3. hill climbing on measured tokens/s: probe the neighbours k ± 1 (and the k = 0 baseline when it is
-   older than ``baseline_every`` steps), move to a neighbour that beats the current k by more than
-   ``switch_margin``, else hold k for ``explore_every`` steps (doubling, up to ``explore_max``, while
-   exploring keeps confirming the same k);
+   older than ``baseline_every`` steps); the incumbent (the k held before a probe) is replaced only
+   by a k measured more than ``switch_margin`` faster, so a probe that is merely as fast goes back;
+   then hold k for ``explore_every`` steps (doubling, up to ``explore_max``, while exploring keeps
+   confirming the same k);
 4. the best k not beating the k = 0 baseline by ``min_gain``: speculation off;
 5. off for ``reprobe_every`` steps: probe again at the last k that paid; each probe that ends off
    again doubles the wait (up to ``reprobe_max``), a probe that pays resets it.
@@ -36,7 +37,7 @@ class SpecAdaptConfig:
     window: int = 3  # steps measured at a draft length before judging its throughput
     accept_window: int = 1  # steps measured at a draft length before judging its acceptance
     min_gain: float = 0.03  # speculation must beat k = 0 tokens/s by this fraction to stay on
-    switch_margin: float = 0.01  # a neighbour must beat the current k by this fraction to move there
+    switch_margin: float = 0.05  # a neighbour must beat the current k by this fraction to move there (noise)
     off_accept: float = 0.05  # mean acceptance below which speculation is switched off at once
     deep_accept_floor: float = 0.2  # conditional acceptance of the deepest draft below which k drops
     explore_every: int = 10  # steps holding a k before the neighbours are probed again
@@ -103,6 +104,7 @@ class AdaptiveSpec:
         self._baseline_probe = False
         self._cap = self.config.k_max
         self._last_good_k = self.config.k_init
+        self._incumbent = self.config.k_init
         self._hold = self.config.explore_every
         self._reprobe_wait = self.config.reprobe_every
         self._probing_on = False  # a re-probe is running and has not paid yet
@@ -176,6 +178,7 @@ class AdaptiveSpec:
             on = {kk: t for kk, t in on.items() if t is not None}
             best = max(on, key=on.get) if on else None
             if best is not None and on[best] >= base * (1 + cfg.min_gain):
+                self._incumbent = best
                 decision = self._decide(
                     best,
                     f"k=0 baseline {base:.1f} tok/s; k={best} gives {on[best]:.1f} tok/s "
@@ -189,6 +192,7 @@ class AdaptiveSpec:
             self._cap = cfg.k_max
             self._probing_on = True
             probe = max(cfg.k_min, min(self._last_good_k, cfg.k_max))
+            self._incumbent = probe
             return self._decide(
                 probe, f"re-probing speculation at k={probe} after {self._since_change} steps off"
             )
@@ -197,19 +201,27 @@ class AdaptiveSpec:
     def _search(self) -> SpecDecision | None:
         cfg = self.config
         k, fresh_age = self.k, cfg.explore_every + 2 * cfg.window
-        here = self._mean_tps(k, fresh_age)
-        neighbours = [kk for kk in (k + 1, k - 1) if cfg.k_min <= kk <= min(self._cap, cfg.k_max)]
-        fresh = {kk: self._mean_tps(kk, fresh_age) for kk in neighbours}
+        top = min(self._cap, cfg.k_max)
+        fresh = {kk: self._mean_tps(kk, fresh_age) for kk in range(cfg.k_min, top + 1)}
         fresh = {kk: t for kk, t in fresh.items() if t is not None}
-        better = {kk: t for kk, t in fresh.items() if t > here * (1 + cfg.switch_margin)}
-        if better:
-            best = max(better, key=better.get)
+        if k not in fresh:
+            return None  # no usable throughput at this k yet
+        # The incumbent (the k held before a probe) keeps its place unless another k beats it by
+        # switch_margin: a probe that is only as good goes back, noise does not make k wander.
+        incumbent = self._incumbent if self._incumbent in fresh else k
+        best = max(fresh, key=fresh.get)
+        target = best if fresh[best] > fresh[incumbent] * (1 + cfg.switch_margin) else incumbent
+        if target != k:
+            self._incumbent = target
             return self._decide(
-                best,
-                f"k={best} gives {better[best]:.1f} tok/s vs {here:.1f} at k={k} ({better[best] / here - 1:+.1%})",
+                target,
+                f"k={target} gives {fresh[target]:.1f} tok/s vs {fresh[k]:.1f} at k={k} "
+                f"({fresh[target] / fresh[k] - 1:+.1%})",
             )
-        for kk in neighbours:
-            if kk not in fresh:
+        self._incumbent = k
+        here = fresh[k]
+        for kk in (k + 1, k - 1):
+            if cfg.k_min <= kk <= top and kk not in fresh:
                 return self._decide(kk, f"probing k={kk} (neighbour of k={k}, no recent measurement)")
         base = self._mean_tps(0, cfg.baseline_every)
         if base is None:

@@ -22,15 +22,16 @@ Heads (``--head``):
 
 If the trained head cannot be built (warm start unavailable), the bench says so and uses ``oracle``.
 
-``--adaptive`` runs the adaptive-speculation comparison instead: for a good drafter (the oracle
-head) and a bad one (random head), every fixed k (k = 0: an engine without speculation; k >= 1:
-an engine started with that k) and the adaptive engine (``spec.adaptive``, k_max = the largest
-k, draft length chosen each step by ``areal_npu.rollout.adaptive``) generate the same sequence of
-steps (``--batch`` concurrent requests of ``--max-tokens`` tokens each). Reported per row: tokens/s
-over all steps (wall clock, exploration and probes included), the median step, and for the
-adaptive row the ratio to the best fixed k and the steps spent at each k. The model is wider than
-the tests' (``--width``): on a 2-layer, 128-wide model vLLM's per-step overhead hides what
-speculation saves.
+``--adaptive`` runs the adaptive-speculation comparison instead, for a good drafter (the oracle
+head) and a bad one (random head); a step is ``--batch`` concurrent requests of ``--max-tokens``
+tokens. (1) One engine per fixed k (k = 0: an engine without speculation; k >= 1: started with
+that k). (2) One adaptive engine (``spec.adaptive``, k_max = the largest k) running 4 rounds of an
+adaptive block (``areal_npu.rollout.adaptive`` picks k each step; exploration and probes
+included) followed by a block at each fixed k set at run time -- interleaved so that the slow
+drifts of a shared machine hit all modes alike. Reported: tokens/s (wall clock over the mode's
+steps), the median step, acceptance, and the adaptive ratio to the best k on the same engine and
+to the best fixed engine. The model is wider than the tests' (``--width``): on a 2-layer,
+128-wide model vLLM's per-step overhead hides what speculation saves.
 
     .venv/bin/python scripts/bench_rollout.py [--quick] [--head trained|oracle|random] [--json PATH]
     .venv/bin/python scripts/bench_rollout.py --adaptive [--quick] [--json PATH]
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     parser.add_argument("--adaptive", action="store_true", help="adaptive vs fixed k, good and bad drafter")
     parser.add_argument("--batch", type=int, default=2, help="--adaptive: concurrent requests per step")
     parser.add_argument("--steps", type=int, default=0, help="--adaptive: adaptive steps (default 80; 40 --quick)")
-    parser.add_argument("--fixed-steps", type=int, default=0, help="--adaptive: steps per fixed k (default 10; 6)")
+    parser.add_argument("--fixed-steps", type=int, default=0, help="--adaptive: steps per fixed k (default 20; 8)")
     parser.add_argument("--width", type=int, default=1024, help="--adaptive: hidden size of the model")
     args = parser.parse_args(argv)
     if args.adaptive:
@@ -277,44 +278,82 @@ def adaptive_models(work: Path, width: int) -> dict[str, Path]:
     }
 
 
-async def run_steps(engine, steps: int, batch: int, max_tokens: int, driver_cfg=None, log=print) -> dict:
-    """``steps`` batches of ``batch`` requests; with ``driver_cfg`` the adaptive driver sets k each step."""
+class Tally:
+    """Tokens, seconds, per-step tokens/s and acceptance counters of one mode."""
+
+    def __init__(self):
+        self.tokens, self.seconds, self.drafted, self.accepted, self.steps = 0, 0.0, 0.0, 0.0, []
+
+    def add(self, tokens: int, seconds: float, stats: dict) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.steps.append(tokens / seconds)
+        self.drafted += stats["rollout/spec_draft_tokens"]
+        self.accepted += stats["rollout/spec_accepted_tokens"]
+
+    def row(self) -> dict:
+        from statistics import median
+
+        return {
+            "tokens_per_s": self.tokens / self.seconds,
+            "median_step_tokens_per_s": median(self.steps),
+            "accept_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "steps": len(self.steps),
+        }
+
+
+async def _one_step(client, prompts, max_tokens) -> tuple[int, float, dict]:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(
+        *(client.generate(p, max_tokens=max_tokens, temperature=1.0, ignore_eos=True) for p in prompts)
+    )
+    seconds = time.perf_counter() - t0
+    if any(r.failed for r in results):
+        raise RuntimeError(next(r.error for r in results if r.failed))
+    return sum(len(r.samples[0].output_ids) for r in results), seconds, await client.step_metrics()
+
+
+async def fixed_engine_run(engine, steps: int, batch: int, max_tokens: int) -> dict:
+    rng = random.Random(1)
+    async with RolloutClient([engine], max_retries=0) as client:
+        await asyncio.gather(*(client.generate([1, 2, 3], max_tokens=8) for _ in range(batch)))  # warm-up
+        await client.step_metrics()
+        tally = Tally()
+        for _ in range(steps):
+            prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(batch)]
+            tally.add(*await _one_step(client, prompts, max_tokens))
+    return tally.row()
+
+
+async def interleaved_run(engine, rounds, adaptive_steps, fixed_steps, ks, batch, max_tokens, policy, log) -> dict:
+    """Adaptive blocks and fixed-k blocks alternate on one engine, so slow drifts of a shared machine
+    hit every mode alike. The driver sees only its own blocks; its k is restored before each."""
     from areal_npu.rollout.adaptive import AdaptiveSpecDriver
 
     rng = random.Random(1)
-    prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(steps * batch)]
+    tallies = {"adaptive": Tally(), **{f"k={k}": Tally() for k in ks}}
+    ks_run: list[int] = []
     async with RolloutClient([engine], max_retries=0) as client:
-        driver = None
-        if driver_cfg is not None:
-            driver = AdaptiveSpecDriver(client, driver_cfg, log=log)
-            await driver.start()
-        await asyncio.gather(*(client.generate(p, max_tokens=8) for p in prompts[:batch]))  # warm-up
-        await client.step_metrics()
-        per_step, ks, drafted, accepted = [], [], 0.0, 0.0
-        start = time.perf_counter()
-        for step in range(steps):
-            t0 = time.perf_counter()
-            chunk = prompts[step * batch : (step + 1) * batch]
-            results = await asyncio.gather(
-                *(client.generate(p, max_tokens=max_tokens, temperature=1.0, ignore_eos=True) for p in chunk)
-            )
-            if any(r.failed for r in results):
-                raise RuntimeError(next(r.error for r in results if r.failed))
-            per_step.append(sum(len(r.samples[0].output_ids) for r in results) / (time.perf_counter() - t0))
-            stats = await client.step_metrics()
-            drafted += stats["rollout/spec_draft_tokens"]
-            accepted += stats["rollout/spec_accepted_tokens"]
-            if driver is not None:
-                ks.append(int((await driver.step(step, stats))["rollout/spec_k"]))
-        seconds = time.perf_counter() - start
-    from statistics import median
-
-    return {
-        "tokens_per_s": steps * batch * max_tokens / seconds,
-        "median_step_tokens_per_s": median(per_step),
-        "accept_rate": accepted / drafted if drafted else 0.0,
-        "ks": ks,
-    }
+        driver = AdaptiveSpecDriver(client, policy, log=log)
+        await driver.start()
+        await asyncio.gather(*(client.generate([1, 2, 3], max_tokens=8) for _ in range(batch)))  # warm-up
+        step = 0
+        for _ in range(rounds):
+            await client.set_spec_k(driver.k)
+            await client.step_metrics()
+            for _ in range(adaptive_steps):
+                prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(batch)]
+                tokens, seconds, stats = await _one_step(client, prompts, max_tokens)
+                tallies["adaptive"].add(tokens, seconds, stats)
+                ks_run.append(int((await driver.step(step, stats))["rollout/spec_k"]))
+                step += 1
+            for k in ks:
+                await client.set_spec_k(k)
+                await client.step_metrics()
+                for _ in range(fixed_steps):
+                    prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(batch)]
+                    tallies[f"k={k}"].add(*await _one_step(client, prompts, max_tokens))
+    return {"tallies": {m: t.row() for m, t in tallies.items()}, "ks": ks_run}
 
 
 def adaptive_main(args) -> int:
@@ -322,23 +361,26 @@ def adaptive_main(args) -> int:
 
     from areal_npu.spec_policy import SpecAdaptConfig
 
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = sorted({0, *(int(k) for k in args.ks.split(","))})
     k_max = max(ks)
-    steps = args.steps or (40 if args.quick else 80)
-    fixed_steps = args.fixed_steps or (6 if args.quick else 10)
+    rounds = 4
+    adaptive_steps = (args.steps or (40 if args.quick else 80)) // rounds
+    fixed_steps = (args.fixed_steps or (8 if args.quick else 20)) // rounds
     max_tokens = args.max_tokens or (32 if args.quick else 48)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-adaptive-"))
     models = adaptive_models(work, args.width)
     rows = []
     for head, model_dir in models.items():
-        for k in sorted(set([0, *ks])):
+        # 1) one engine per fixed k: what a user would otherwise run (k = 0: no drafter at all)
+        for k in ks:
             engine = start_engine(model_dir, k, work, args.batch)
             try:
-                row = asyncio.run(run_steps(engine, fixed_steps, args.batch, max_tokens))
+                row = asyncio.run(fixed_engine_run(engine, fixed_steps * rounds, args.batch, max_tokens))
             finally:
                 engine.stop()
-            rows.append({"head": head, "mode": f"k={k}", "k": k, **row})
-            print(f"[bench] {head} k={k}: {row['tokens_per_s']:.1f} tok/s accept {row['accept_rate']:.2f}", flush=True)
+            rows.append({"head": head, "engine": "fixed", "mode": f"k={k}", **row})
+            print(f"[bench] {head} fixed engine k={k}: {row['tokens_per_s']:.1f} tok/s", flush=True)
+        # 2) the adaptive engine: adaptive blocks interleaved with fixed-k blocks
         engine = start_engine(model_dir, k_max, work, args.batch, adaptive=True)
         decisions: list[str] = []
 
@@ -348,45 +390,58 @@ def adaptive_main(args) -> int:
 
         try:
             policy = SpecAdaptConfig(k_max=k_max, k_init=min(2, k_max))
-            row = asyncio.run(run_steps(engine, steps, args.batch, max_tokens, policy, log=log))
+            out = asyncio.run(interleaved_run(engine, rounds, adaptive_steps, fixed_steps, ks, args.batch,
+                                              max_tokens, policy, log))  # fmt: skip
         finally:
             engine.stop()
-        best = max((r for r in rows if r["head"] == head), key=lambda r: r["tokens_per_s"])
-        row.update(
-            head=head, mode="adaptive", k=None, decisions=decisions, best_fixed=best["mode"],
-            ratio_to_best=row["tokens_per_s"] / best["tokens_per_s"],
-            steps_at_k={str(k): n for k, n in sorted(Counter(row["ks"]).items())},
+        same = {m: r for m, r in out["tallies"].items() if m != "adaptive"}
+        best_same = max(same, key=lambda m: same[m]["tokens_per_s"])
+        fixed = {r["mode"]: r for r in rows if r["head"] == head and r["engine"] == "fixed"}
+        best_fixed = max(fixed, key=lambda m: fixed[m]["tokens_per_s"])
+        for mode, row in same.items():
+            rows.append({"head": head, "engine": "adaptive", "mode": f"{mode} (set at run time)", **row})
+        adaptive = out["tallies"]["adaptive"]
+        adaptive.update(
+            head=head, engine="adaptive", mode="adaptive", decisions=decisions,
+            ratio_same_engine=adaptive["tokens_per_s"] / same[best_same]["tokens_per_s"], best_same=best_same,
+            ratio_fixed_engines=adaptive["tokens_per_s"] / fixed[best_fixed]["tokens_per_s"], best_fixed=best_fixed,
+            steps_at_k={str(k): n for k, n in sorted(Counter(out["ks"]).items())},
         )  # fmt: skip
-        rows.append(row)
-        print(f"[bench] {head} adaptive: {row['tokens_per_s']:.1f} tok/s = {row['ratio_to_best']:.3f} x best fixed ({best['mode']})", flush=True)
-    print_adaptive_table(rows, args.batch, max_tokens, steps, fixed_steps, args.width)
+        rows.append(adaptive)
+        print(f"[bench] {head} adaptive: {adaptive['ratio_same_engine']:.3f} x best k on the same engine "
+              f"({best_same}), {adaptive['ratio_fixed_engines']:.3f} x best fixed engine ({best_fixed})", flush=True)  # fmt: skip
+    title = (f"adaptive vs fixed draft length (width {args.width}, batch {args.batch}, {max_tokens} tokens/request; "
+             f"{rounds} rounds of {adaptive_steps} adaptive + {fixed_steps} steps per k on the adaptive engine)")  # fmt: skip
+    print_adaptive_table(rows, title)
     if args.json:
         payload = {"bench": "adaptive", "width": args.width, "batch": args.batch, "max_tokens": max_tokens,
-                   "steps": steps, "fixed_steps": fixed_steps, "quick": args.quick, "rows": rows}  # fmt: skip
+                   "rounds": rounds, "adaptive_steps_per_round": adaptive_steps,
+                   "fixed_steps_per_round": fixed_steps, "quick": args.quick, "rows": rows}  # fmt: skip
         Path(args.json).write_text(json.dumps(payload, indent=2))
     return 0
 
 
-def print_adaptive_table(rows, batch, max_tokens, steps, fixed_steps, width) -> None:
+def print_adaptive_table(rows, title) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(
-        title=f"adaptive vs fixed draft length (width {width}, batch {batch}, {max_tokens} tokens/request, "
-        f"{fixed_steps} steps per fixed k, {steps} adaptive steps)"
-    )
-    for col in ("drafter", "mode", "tok/s", "median step", "accept", "vs best fixed", "steps at k"):
+    table = Table(title=title)
+    for col in ("drafter", "engine", "mode", "tok/s", "median step", "accept", "adaptive vs best", "steps at k"):
         table.add_column(col, justify="right")
     for r in rows:
-        adaptive = r["mode"] == "adaptive"
+        ratio = ""
+        if r["mode"] == "adaptive":
+            ratio = (f"{r['ratio_same_engine']:.3f}x ({r['best_same']}, same engine); "
+                     f"{r['ratio_fixed_engines']:.3f}x ({r['best_fixed']} engine)")  # fmt: skip
         table.add_row(
             r["head"],
+            r["engine"],
             r["mode"],
             f"{r['tokens_per_s']:.1f}",
             f"{r['median_step_tokens_per_s']:.1f}",
             f"{r['accept_rate']:.2f}" if r["accept_rate"] else "-",
-            f"{r['ratio_to_best']:.3f}x ({r['best_fixed']})" if adaptive else "",
-            " ".join(f"k{k}:{n}" for k, n in r["steps_at_k"].items()) if adaptive else "",
+            ratio,
+            " ".join(f"k{k}:{n}" for k, n in r.get("steps_at_k", {}).items()),
         )
     Console().print(table)
 

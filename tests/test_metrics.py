@@ -172,6 +172,15 @@ def test_headless_status_line(tmp_path):
     assert lines[2].startswith("step 13/40") and "reward" not in lines[2] and "gen 1.3" in lines[2]
 
 
+def test_messages_go_to_the_status_stream_not_the_metrics(tmp_path):
+    out = io.StringIO()
+    with StatsLogger(tmp_path, total_steps=4, console=True, tensorboard=False, stream=out) as log:
+        log.log(0, {"reward/mean": 0.1})
+        log.print("[spec] step 0: k 2 -> 0: reason")
+    assert out.getvalue().splitlines()[-1] == "[spec] step 0: k 2 -> 0: reason"
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0]
+
+
 def test_reward_change_is_against_the_run_start_after_resume(tmp_path):
     with StatsLogger(tmp_path, total_steps=4, console=False, tensorboard=False) as log:
         log.log(1, {"reward/mean": 0.25})

@@ -111,3 +111,41 @@ def test_ctrl_c_stops_everything_and_keeps_what_was_logged(tmp_path):
     assert not _wait_gone(run_dir, 30), "engine processes survived Ctrl-C"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_adaptive_speculation_in_the_training_loop(tmp_path):
+    """`rollout.spec.adaptive=true` in the real loop. off_accept=0.99 makes every acceptance "too
+    low", so the outcome is fixed: k_init=2 runs one step, goes off, is re-probed after 3 steps, goes
+    off again with a doubled wait. Checked against an independent replay of the decision log: the
+    k logged each step, engines drafting nothing while off, the decisions in the report."""
+    run_dir = tmp_path / "run"
+    recipe = str(ROOT / "recipes" / "cpu" / "quickstart.yaml")
+    overrides = [f"run_dir={run_dir}", "warmstart.steps=2", "controller.steps=9", "controller.eval_every=0",
+                 "controller.checkpoint_every=0", "rollout.spec.adaptive=true",
+                 "rollout.spec.adapt.off_accept=0.99", "rollout.spec.adapt.reprobe_every=3"]  # fmt: skip
+    done = subprocess.run(_cli() + ["train", recipe] + overrides, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    decisions = [json.loads(line) for line in (run_dir / "spec_decisions.jsonl").read_text().splitlines()]
+    # replay: a decision taken after step s applies from step s + 1 on
+    k, expected = 2, []
+    for step in range(9):
+        expected.append(k)
+        for d in decisions:
+            if d["step"] == step:
+                assert d["k_from"] == k
+                k = d["k_to"]
+    assert [int(r["rollout/spec_k"]) for r in rows] == expected
+    assert [(d["step"], d["k_to"]) for d in decisions] == [(0, 0), (3, 2), (4, 0)]
+    assert "acceptance" in decisions[0]["reason"] and "re-probing" in decisions[1]["reason"]
+    assert "next probe in 6 steps" in decisions[2]["reason"]
+    on = [r["rollout/spec_drafts"] for r in rows if r["rollout/spec_k"] > 0]
+    off = [r["rollout/spec_drafts"] for r in rows if r["rollout/spec_k"] == 0]
+    assert min(on) > 0 and sum(off) <= 0.05 * sum(on)  # only the requests in flight at a switch
+    assert all(r["perf/step_speedup_bound"] >= 1.0 for r in rows)
+    assert subprocess.run(_cli() + ["report", str(run_dir)], cwd=tmp_path, capture_output=True).returncode == 0
+    report = (run_dir / "report" / "report.md").read_text()
+    assert "Draft-length decisions" in report and "re-probing" in report

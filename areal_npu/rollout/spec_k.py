@@ -10,7 +10,8 @@ runs. The scheduler lives in vLLM's engine-core process, which our HTTP routes c
 * the engine is started with ``num_speculative_tokens = k_max`` and a one-row table (so vLLM knows
   K varies: it plans graphs and padding for that), and with ``--scheduler-cls`` pointing at
   :func:`runtime_k_scheduler`, a subclass of vLLM's own scheduler (sync or async, whichever vLLM
-  picked) that re-reads a one-line control file before each step when the file changed;
+  picked) that reads a one-line control file before each step (~10 us; not by modification time,
+  whose resolution is a clock tick);
 * the server's ``POST /areal/spec_k`` writes that file atomically (``write_k``).
 
 Changing K changes only speed: every K verifies with the same rejection sampler, so the sampled
@@ -52,22 +53,16 @@ class _RuntimeK:
 
     def _areal_init_runtime_k(self) -> None:
         self._areal_k_file = os.environ.get(ENV_FILE)
-        self._areal_k_stamp: int | None = None
+        self._areal_k_read: int | None = None
         self.areal_spec_k = self.num_spec_tokens
 
     def _areal_poll_k(self) -> None:
         if not self._areal_k_file:
             return
-        try:
-            stamp = os.stat(self._areal_k_file).st_mtime_ns
-        except OSError:
-            return
-        if stamp == self._areal_k_stamp:
-            return
-        self._areal_k_stamp = stamp
         k = read_k(self._areal_k_file)
-        if k is None:
+        if k is None or k == self._areal_k_read:
             return
+        self._areal_k_read = k
         k = max(0, min(k, self.num_spec_tokens))
         # index = number of requests scheduled this step (index 0 unused by vLLM)
         self.dynamic_sd_lookup = [k] * (self.scheduler_config.max_num_seqs + 1)

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 import torch
 
 from areal_npu.rollout.buckets import unpack_bucket
@@ -187,3 +188,29 @@ def test_step_metrics_sum_engines_and_take_deltas():
         and first["rollout/spec_mean_accepted_len"] == 1 + 30 / 20
     )
     assert second["rollout/spec_drafts"] == 0  # nothing happened between the two calls
+
+
+def test_busy_clock_counts_engine_seconds_with_work_outside_pauses():
+    """Hand-computed: two engines, overlapping requests, a pause (weight update) in the middle."""
+    from areal_npu.rollout.client import BusyClock
+
+    now = [0.0]
+    clock = BusyClock(clock=lambda: now[0])
+    in_flight = [0, 0]
+
+    def at(t, engine=None, change=0, paused=None):
+        now[0] = t
+        clock.tick(in_flight, paused)
+        if engine is not None:
+            in_flight[engine] += change
+
+    at(0.0, 0, +1)  # engine 0 busy from 0
+    at(2.0, 1, +1)  # engine 1 busy from 2
+    at(3.0, paused=True)  # update: 3..5 not counted
+    at(5.0, paused=False)
+    at(6.0, 0, -1)  # engine 0 done at 6
+    now[0] = 8.0
+    # 0-2: 1 engine, 2-3: 2, 3-5: paused, 5-6: 2, 6-8: 1  ->  2 + 2 + 0 + 2 + 2
+    assert clock.delta(in_flight) == pytest.approx(8.0)
+    now[0] = 9.5
+    assert clock.delta(in_flight) == pytest.approx(1.5)  # only engine 1, since the last read
