@@ -3,8 +3,8 @@
 vLLM 0.32 can choose the number of speculative tokens per scheduler step ("dynamic speculative
 decoding": ``speculative_config.num_speculative_tokens_per_batch_size``, a table batch size -> K
 that the scheduler looks up each step and the model runner hands to the drafter; K = 0 drafts
-nothing and verifies nothing, only the drafter's own KV cache is still filled so drafting can
-resume). The table is fixed at start-up; adaptive speculation needs it settable while the engine
+nothing and verifies nothing -- vLLM still runs the drafter to fill its KV cache, which
+``areal_npu.compat.vllm_spec_off`` skips). The table is fixed at start-up; adaptive speculation needs it settable while the engine
 runs. The scheduler lives in vLLM's engine-core process, which our HTTP routes cannot reach, so:
 
 * the engine is started with ``num_speculative_tokens = k_max`` and a one-row table (so vLLM knows
@@ -15,7 +15,8 @@ runs. The scheduler lives in vLLM's engine-core process, which our HTTP routes c
 * the server's ``POST /areal/spec_k`` writes that file atomically (``write_k``).
 
 Changing K changes only speed: every K verifies with the same rejection sampler, so the sampled
-distribution is the target's at any K (tests compare greedy outputs with transformers).
+distribution is the target's at any K (tests: greedy outputs equal transformers' at every K and
+across switches mid-generation; sampled tokens pass a chi-square test against the exact law).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class _RuntimeK:
         self._areal_k_file = os.environ.get(ENV_FILE)
         self._areal_k_read: int | None = None
         self.areal_spec_k = self.num_spec_tokens
+        self.areal_last_k: int | None = None
 
     def _areal_poll_k(self) -> None:
         if not self._areal_k_file:
@@ -70,7 +72,10 @@ class _RuntimeK:
 
     def schedule(self, *args, **kwargs):
         self._areal_poll_k()
-        return super().schedule(*args, **kwargs)
+        output = super().schedule(*args, **kwargs)
+        # the K the step about to run drafts with (read by compat.vllm_spec_off's post_step)
+        self.areal_last_k = output.num_spec_tokens_to_schedule
+        return output
 
 
 def _classes():
@@ -96,6 +101,9 @@ def runtime_k_scheduler(*args, vllm_config, **kwargs):
     A factory rather than a class because vLLM decides sync vs async scheduling after parsing the
     arguments (the CPU backend forces sync); the subclass must extend the one vLLM would have used.
     """
+    from areal_npu.compat import vllm_spec_off
+
+    vllm_spec_off.apply_engine_core()  # this runs in vLLM's engine-core process
     sync_cls, async_cls = _classes()
     cls = async_cls if vllm_config.scheduler_config.async_scheduling else sync_cls
     return cls(*args, vllm_config=vllm_config, **kwargs)

@@ -15,13 +15,21 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from areal_npu.model.tiny import save_tiny_model
 from areal_npu.rollout.adaptive import AdaptiveSpecDriver
 from areal_npu.rollout.client import EngineFailure, RolloutClient
 from areal_npu.rollout.config import RolloutConfig, SpecConfig
 from areal_npu.rollout.launcher import EngineProcess
-from areal_npu.rollout.reference import cells, chi2_goodness_of_fit, exact_joint, greedy, load_model
+from areal_npu.rollout.reference import (
+    cells,
+    chi2_goodness_of_fit,
+    exact_joint,
+    greedy,
+    load_model,
+    sequence_logprobs,
+)
 from areal_npu.rollout.synthetic import save_aligned_model
 from areal_npu.spec_policy import SpecAdaptConfig
 
@@ -94,6 +102,24 @@ def test_greedy_is_identical_at_every_k(engines, ref):
 
     for k, outputs in asyncio.run(run()).items():
         assert outputs == expected, f"k={k}"
+
+
+def test_behaviour_logprobs_match_transformers_at_runtime_k(engines, ref):
+    """k = 0 samples through the plain sampler (compat.vllm_spec_off), k = 2 through the rejection
+    sampler: both return log p of each sampled token as transformers computes it (<= 1e-4)."""
+    prompts = _prompts(3, seed=7)
+
+    async def run(k):
+        async with RolloutClient([engines["good"]], max_retries=0) as client:
+            await client.set_spec_k(k)
+            return await _batch(client, prompts, max_tokens=20, temperature=1.0, ignore_eos=True)
+
+    for k in (0, 2):
+        for prompt, result in zip(prompts, asyncio.run(run(k)), strict=True):
+            sample = result.samples[0]
+            expected = sequence_logprobs(ref, prompt, sample.output_ids)
+            got = torch.tensor(sample.logprobs, dtype=torch.float64)
+            assert torch.allclose(got, expected, atol=1e-4, rtol=0), (k, got - expected)
 
 
 def test_k_changes_while_requests_run(engines, ref):

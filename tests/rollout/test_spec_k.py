@@ -41,8 +41,11 @@ class FakeScheduler:
         self.calls = 0
 
     def schedule(self):
+        """Like vLLM: the K of this step is the table's entry for the batch size (here 1)."""
         self.calls += 1
-        return list(self.dynamic_sd_lookup) if self.dynamic_sd_lookup is not None else None
+        table = list(self.dynamic_sd_lookup) if self.dynamic_sd_lookup is not None else None
+        k = table[1] if table is not None else self.num_spec_tokens
+        return SimpleNamespace(table=table, num_spec_tokens_to_schedule=k)
 
 
 class HookedScheduler(spec_k._RuntimeK, FakeScheduler):
@@ -56,20 +59,21 @@ def test_scheduler_applies_the_file_before_each_step_and_clamps(tmp_path, monkey
     spec_k.write_k(path, 2)
     monkeypatch.setenv(spec_k.ENV_FILE, str(path))
     sched = HookedScheduler(num_spec_tokens=3, max_num_seqs=4)
-    assert sched.schedule() == [2] * 5  # index = batch size, 0..max_num_seqs
+    assert sched.schedule().table == [2] * 5  # index = batch size, 0..max_num_seqs
+    assert sched.areal_last_k == 2
     spec_k.write_k(path, 0)
     os.utime(path, ns=(1, 1))  # the same modification time twice: content decides, not the clock
-    assert sched.schedule() == [0] * 5 and sched.areal_spec_k == 0
+    assert sched.schedule().table == [0] * 5 and sched.areal_spec_k == 0 and sched.areal_last_k == 0
     spec_k.write_k(path, 9)  # above the engine's num_speculative_tokens
     os.utime(path, ns=(1, 1))
-    assert sched.schedule() == [3] * 5 and sched.areal_spec_k == 3
+    assert sched.schedule().table == [3] * 5 and sched.areal_spec_k == 3 and sched.areal_last_k == 3
     assert sched.calls == 3
 
 
 def test_scheduler_without_control_file_keeps_vllm_behaviour(monkeypatch):
     monkeypatch.delenv(spec_k.ENV_FILE, raising=False)
     sched = HookedScheduler()
-    assert sched.schedule() is None and sched.areal_spec_k == 3
+    assert sched.schedule().table is None and sched.areal_spec_k == 3 and sched.areal_last_k == 3
 
 
 def test_factory_extends_the_scheduler_vllm_chose(monkeypatch):
