@@ -212,12 +212,18 @@ class AdaptiveSpec:
         best = max(fresh, key=fresh.get)
         target = best if fresh[best] > fresh[incumbent] * (1 + cfg.switch_margin) else incumbent
         if target != k:
+            if target == incumbent:
+                reason = (
+                    f"probe k={k} gives {fresh[k]:.1f} tok/s, not {cfg.switch_margin:.0%} above "
+                    f"{fresh[target]:.1f} at k={target}: back to k={target}"
+                )
+            else:
+                reason = (
+                    f"k={target} gives {fresh[target]:.1f} tok/s vs {fresh[k]:.1f} at k={k} "
+                    f"({fresh[target] / fresh[k] - 1:+.1%})"
+                )
             self._incumbent = target
-            return self._decide(
-                target,
-                f"k={target} gives {fresh[target]:.1f} tok/s vs {fresh[k]:.1f} at k={k} "
-                f"({fresh[target] / fresh[k] - 1:+.1%})",
-            )
+            return self._decide(target, reason)
         self._incumbent = k
         here = fresh[k]
         for kk in (k + 1, k - 1):
