@@ -28,7 +28,8 @@ while speculation is off have no drafter KV; a request that is still running whe
 comes back drafts from that incomplete cache and gets lower acceptance until it ends (requests
 started afterwards are unaffected). Sampling stays exact either way: the rejection sampler
 verifies whatever the drafter proposes against the target, and KV memory is zero-initialised
-or holds earlier requests' finite values. Opt-out: ``rollout.spec.off_keeps_drafter_kv: true``.
+or holds earlier requests' finite values. ``rollout.spec.off_keeps_drafter_kv: true`` keeps vLLM's
+behaviour (none of the three patches is applied).
 
 Patches 1-2 are applied in the worker process (``areal_npu.rollout.worker_ext`` calls
 :func:`apply`), patch 3 in the engine-core process (``areal_npu.rollout.spec_k`` calls

@@ -56,8 +56,9 @@ class SpecConfig:
     # tried; the trainer changes k between steps (0 = off) from measured acceptance and tokens/s.
     adaptive: bool = False
     adapt: dict[str, Any] = field(default_factory=dict)  # SpecAdaptConfig fields (k_max is set here)
-    # At k = 0 vLLM still runs the drafter to keep its KV cache complete; we skip it (see
-    # areal_npu/compat/vllm_spec_off.py). True keeps vLLM's behaviour.
+    # At k = 0 vLLM still runs the drafter (to keep its KV cache complete), a rejection-sampler
+    # pass and a draft-token fetch; we skip them (areal_npu/compat/vllm_spec_off.py). True keeps
+    # vLLM's behaviour.
     off_keeps_drafter_kv: bool = False
 
     @property
