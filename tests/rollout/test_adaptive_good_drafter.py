@@ -3,7 +3,7 @@
 The model is wider than the other engine tests' (4 layers, width 1024, ~55 M parameters): at the
 tests' 2-layer, 128-wide size vLLM's fixed per-step cost hides what speculation saves, so on CPU
 no k beats autoregressive decoding there and switching off would be the right answer. Here, with
-the near-oracle MTP head, k = 1..2 decode ~1.3-1.4x faster than k = 0 at batch 2
+the near-oracle MTP head, k = 1..2 decode ~1.4x faster than k = 0 at batch 2
 (docs/BENCHMARKS.md) -- a margin ten times the policy's min_gain, so the outcome does not hinge on
 timing noise. The policy is driven by the engine's own measurements, nothing is simulated.
 """
