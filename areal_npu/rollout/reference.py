@@ -4,6 +4,7 @@
 * :func:`greedy` -- argmax continuation.
 * :func:`exact_joint` -- the exact distribution of the first ``m`` sampled tokens at temperature 1,
   enumerated over every prefix with probability above ``min_prob`` (the rest lumped together).
+* :func:`random_prompts` -- reproducible byte prompts for the engine tests.
 """
 
 from __future__ import annotations
@@ -97,3 +98,11 @@ def chi2_goodness_of_fit(counts: dict, probs: dict, keep: list) -> tuple[float, 
     exp = torch.tensor(p, dtype=torch.float64) * total
     stat = float(((obs - exp) ** 2 / exp).sum())
     return chi2_sf(stat, len(observed) - 1), len(observed) - 1
+
+
+def random_prompts(count: int, seed: int, min_len: int = 4, max_len: int = 12) -> list[list[int]]:
+    """``count`` prompts of random bytes, lengths in ``[min_len, max_len)`` (reproducible per seed)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(min_len, max_len))] for _ in range(count)]

@@ -10,7 +10,6 @@ the engine's own counters.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +27,7 @@ from areal_npu.rollout.reference import (
     exact_joint,
     greedy,
     load_model,
+    random_prompts,
     sequence_logprobs,
 )
 from areal_npu.rollout.synthetic import save_aligned_model
@@ -38,10 +38,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 K_MAX = 3
 PROMPT = [72, 101, 108, 108, 111]  # "Hello"
 
-
-def _prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randrange(4, 12))] for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +84,7 @@ async def _batch(client, prompts, **kwargs):
 
 def test_greedy_is_identical_at_every_k(engines, ref):
     """Changing k changes only speed: greedy continuations equal transformers' at k = 0..k_max."""
-    prompts = _prompts(3, seed=5)
+    prompts = random_prompts(3, seed=5)
     expected = [greedy(ref, p, 24) for p in prompts]
 
     async def run():
@@ -107,7 +103,7 @@ def test_greedy_is_identical_at_every_k(engines, ref):
 def test_behaviour_logprobs_match_transformers_at_runtime_k(engines, ref):
     """k = 0 samples through the plain sampler (compat.vllm_spec_off), k = 2 through the rejection
     sampler: both return log p of each sampled token as transformers computes it (<= 1e-4)."""
-    prompts = _prompts(3, seed=7)
+    prompts = random_prompts(3, seed=7)
 
     async def run(k):
         async with RolloutClient([engines["good"]], max_retries=0) as client:
@@ -124,7 +120,7 @@ def test_behaviour_logprobs_match_transformers_at_runtime_k(engines, ref):
 
 def test_k_changes_while_requests_run(engines, ref):
     """k switched four times while long greedy requests are in flight: outputs still exact."""
-    prompts = _prompts(4, seed=6)
+    prompts = random_prompts(4, seed=6)
     expected = [greedy(ref, p, 96) for p in prompts]
 
     async def run():
@@ -148,7 +144,7 @@ def test_engine_drafts_exactly_k(engines):
             for k in range(K_MAX + 1):
                 await client.set_spec_k(k)
                 await client.step_metrics()
-                await _batch(client, _prompts(8, seed=k), max_tokens=32, temperature=1.0, ignore_eos=True)
+                await _batch(client, random_prompts(8, seed=k), max_tokens=32, temperature=1.0, ignore_eos=True)
                 out[k] = await client.step_metrics()
             return out
 
@@ -213,7 +209,7 @@ def test_wrong_drafter_is_switched_off_within_a_few_steps(engines):
             await client.step_metrics()
             history = []
             for step in range(window + 3):
-                await _batch(client, _prompts(8, seed=100 + step), max_tokens=32, temperature=1.0, ignore_eos=True)
+                await _batch(client, random_prompts(8, seed=100 + step), max_tokens=32, temperature=1.0, ignore_eos=True)
                 stats = await client.step_metrics()
                 history.append({**stats, **await driver.step(step, stats)})
             return history

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 from collections import Counter
@@ -35,6 +34,7 @@ from areal_npu.rollout.reference import (
     exact_joint,
     greedy,
     load_model,
+    random_prompts,
     sequence_logprobs,
 )
 from areal_npu.rollout.synthetic import flip_final_norm, load_tensors, save_aligned_model, save_tensors
@@ -45,10 +45,6 @@ K = 2
 PROMPT = [72, 101, 108, 108, 111]  # "Hello"
 LOGPROB_TOL = 1e-4
 
-
-def _prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randrange(4, 12))] for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +88,7 @@ async def _generate_all(engine, prompts, **kwargs):
 
 def test_behaviour_logprobs_match_transformers(engines, ref):
     """Every sampled token's behaviour log-prob equals log p from a transformers forward (<= 1e-4)."""
-    prompts = _prompts(4, seed=1)
+    prompts = random_prompts(4, seed=1)
     for name in ("spec", "plain"):
         for params in (dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)):
             results = asyncio.run(
@@ -113,7 +109,7 @@ def test_behaviour_logprobs_match_transformers(engines, ref):
 
 
 def test_greedy_identical_with_and_without_speculation(engines, ref):
-    prompts = _prompts(4, seed=2)
+    prompts = random_prompts(4, seed=2)
     outs = {
         name: asyncio.run(
             _generate_all(engines[name], prompts, max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -180,7 +176,7 @@ def test_acceptance_metrics_are_counter_deltas(engines):
         async with RolloutClient([engines["spec"]], max_retries=0) as client:
             await client.step_metrics()
             results = await asyncio.gather(
-                *(client.generate(p, max_tokens=40, temperature=1.0, ignore_eos=True) for p in _prompts(8, 3))
+                *(client.generate(p, max_tokens=40, temperature=1.0, ignore_eos=True) for p in random_prompts(8, 3))
             )
             return results, await client.step_metrics()
 
@@ -235,8 +231,8 @@ def test_weight_update_policy_and_drafter(engines, model_dir, tmp_path):
     m2 = flip_final_norm(base, seed=2, sync_draft=False)  # new policy; its mtp.* is sent to nobody
     ref1 = load_model(save_tensors(tmp_path / "m1", model_dir, m1))
     ref2 = load_model(save_tensors(tmp_path / "m2", model_dir, m2))
-    prompts = _prompts(4, seed=4)
-    workload = _prompts(16, seed=5)
+    prompts = random_prompts(4, seed=4)
+    workload = random_prompts(16, seed=5)
 
     async def accept_rate(client):
         await client.step_metrics()
@@ -306,7 +302,7 @@ def test_weight_update_policy_and_drafter(engines, model_dir, tmp_path):
 def test_engine_killed_mid_batch_recovers_without_losing_requests(engines):
     plain = engines["plain"]
     old_pgid = plain.pgid
-    prompts = _prompts(16, seed=6)
+    prompts = random_prompts(16, seed=6)
     max_tokens = 1000  # ~16K tokens: the batch is still running when the kill lands
 
     async def run():
