@@ -220,24 +220,21 @@ class RolloutClient:
         return min(candidates, key=lambda j: self.in_flight[j])
 
     async def _post_json(self, i: int, path: str, body: Any = None, content: bytes | None = None) -> Any:
-        import httpx
-
-        try:
-            if content is not None:
-                response = await self._http.post(self.url(i) + path, content=content)
-            else:
-                response = await self._http.post(self.url(i) + path, json=body if body is not None else {})
-        except httpx.HTTPError as exc:
-            raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code != 200:
-            raise EngineFailure(f"HTTP {response.status_code} {path}: {response.text[:500]}")
-        return response.json()
+        url = self.url(i) + path
+        if content is not None:
+            return await self._checked(path, self._http.post(url, content=content))
+        return await self._checked(path, self._http.post(url, json=body if body is not None else {}))
 
     async def _get_json(self, i: int, path: str) -> Any:
+        return await self._checked(path, self._http.get(self.url(i) + path, timeout=30.0))
+
+    @staticmethod
+    async def _checked(path: str, request) -> Any:
+        """Await an httpx request; transport errors and non-200 answers become ``EngineFailure``."""
         import httpx
 
         try:
-            response = await self._http.get(self.url(i) + path, timeout=30.0)
+            response = await request
         except httpx.HTTPError as exc:
             raise EngineFailure(f"{type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
