@@ -13,13 +13,21 @@ Segments never see each other. Shapes: q ``[T, Hq, d]``, k / v ``[T, Hkv, d]``, 
   ``actual_seq_kvlen`` as host lists of cumulative end offsets without the leading 0,
   ``sparse_mode=3`` and one cached 2048x2048 bool mask ``triu(ones, 1)`` (True = masked). At most
   1024 segments per call: longer lists are cut into several calls.
-- CUDA: flash-attn's ``flash_attn_varlen_func`` when installed, else the exact SDPA path below.
+- CUDA, half precision: flash-attn's ``flash_attn_varlen_func`` when installed, else PyTorch's
+  own varlen kernel ``torch.nn.attention.varlen.varlen_attn`` (causal = ``window_size=(-1, 0)``).
+  Neither materialises repeated KV heads: flash-attn and torch >= 2.13 take GQA natively
+  (``enable_gqa``); on older torch the query heads are split into ``Hq / Hkv`` strided groups
+  (query heads ``j, j + r, j + 2r, ...`` map one-to-one onto the KV heads) and each group is one
+  MHA varlen call over the same K/V. float32/float64 inputs (references, tests) take the exact
+  path below: the varlen kernels are half precision only.
 - CPU: exact, one segment at a time through SDPA: peak memory ``max_j s_j**2``, total work
   ``sum_j s_j**2``, never ``T**2``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -32,6 +40,7 @@ __all__ = [
     "npu_causal_mask",
     "packed_attention",
     "packed_attention_reference",
+    "varlen_causal_attention",
 ]
 
 NPU_MAX_SEGMENTS_PER_CALL = 1024
@@ -136,6 +145,51 @@ def _npu_packed_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
+def _torch_varlen_attn():
+    """PyTorch's varlen attention (torch >= 2.10) and whether it takes ``enable_gqa`` (>= 2.13)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None, False
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def varlen_causal_attention(
+    varlen_attn,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    native_gqa: bool,
+) -> torch.Tensor:
+    """Causal packed attention through a varlen kernel with PyTorch's ``varlen_attn`` signature.
+
+    Without native GQA, query head ``h`` reads KV head ``h // r`` (``r = Hq / Hkv``); the query
+    heads ``{g * r + j}`` for a fixed ``j`` therefore pair one-to-one with the KV heads, so ``r``
+    MHA calls over the unrepeated K/V cover every head.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    call = functools.partial(
+        varlen_attn,
+        cu_seq_q=cu,
+        cu_seq_k=cu,
+        max_q=max_seqlen,
+        max_k=max_seqlen,
+        scale=scale,
+        window_size=(-1, 0),
+    )
+    if hq == hkv:
+        return call(q, k, v)
+    if native_gqa:
+        return call(q, k, v, enable_gqa=True)
+    r = hq // hkv
+    grouped = q.view(q.shape[0], hkv, r, q.shape[2])
+    outs = [call(grouped[:, :, j].contiguous(), k, v) for j in range(r)]
+    return torch.stack(outs, dim=2).view(q.shape[0], hq, v.shape[2])
+
+
 def _cuda_packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -144,14 +198,26 @@ def _cuda_packed_attention(
     scale: float,
     max_seqlen: int | None,
 ) -> torch.Tensor:
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
+    if q.dtype not in (torch.float16, torch.bfloat16):
         return packed_attention_reference(q, k, v, cu_seqlens, scale)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int((cu[1:] - cu[:-1]).max())
-    return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    if flash_attn_varlen_func is not None:
+        return flash_attn_varlen_func(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True
+        )
+    varlen_attn, native_gqa = _torch_varlen_attn()
+    if varlen_attn is None:
+        raise RuntimeError(
+            "packed attention on CUDA needs flash-attn or torch >= 2.10 (torch.nn.attention.varlen); "
+            f"this is torch {torch.__version__}"
+        )
+    return varlen_causal_attention(varlen_attn, q, k, v, cu, max_seqlen, scale, native_gqa)
 
 
 def packed_attention(

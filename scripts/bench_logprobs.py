@@ -15,7 +15,14 @@ What "peak" means here:
 The chunked kernel's peak should not grow with T beyond the T·H-sized tensors (hidden gradient),
 while the naive one grows with T·V (several [T, V] float32 buffers).
 
-Usage:  python scripts/bench_logprobs.py [--quick] [--json PATH] [--device cpu|cuda]
+Methods:
+  * ``naive``: full float32 logits (inputs upcast), log_softmax, gather — the exact reference;
+  * ``naive-bf16``: what most RL code does with a bf16 model: ``(h @ W.T).float()`` (a bf16 GEMM whose
+    logits are rounded to bf16), then the same — the speed to match;
+  * ``chunked``: :func:`chunked_logprobs_entropy` with eager per-chunk pointwise work;
+  * ``chunked-fused``: the same with the pointwise work compiled (``fused=True``; CUDA's default).
+
+Usage:  python scripts/bench_logprobs.py [--quick] [--json PATH] [--device cpu|cuda] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -57,7 +64,29 @@ def _reset_hwm() -> bool:
         return False
 
 
-def run_case(method: str, T: int, V: int, H: int, chunk: int, device: str, reps: int, threads: int) -> dict:
+METHODS = ("naive", "naive-bf16", "chunked", "chunked-fused")
+
+
+def _naive_rounded(hidden, weight, targets):
+    """Common practice: logits from the model's dtype GEMM, then float32 (rounded logits)."""
+    import torch
+
+    logprobs = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
+    picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked, -(logprobs.exp() * logprobs).sum(-1)
+
+
+def run_case(
+    method: str,
+    T: int,
+    V: int,
+    H: int,
+    chunk: int,
+    device: str,
+    reps: int,
+    threads: int,
+    dtype: str = "float32",
+) -> dict:
     """Runs inside the child process."""
     import torch
     from areal_npu.kernels.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
@@ -65,15 +94,19 @@ def run_case(method: str, T: int, V: int, H: int, chunk: int, device: str, reps:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     dev = torch.device(device)
-    hidden = torch.randn(T, H, device=dev).requires_grad_()
-    weight = (torch.randn(V, H, device=dev) / H**0.5).requires_grad_()
+    dt = getattr(torch, dtype)
+    hidden = torch.randn(T, H, device=dev, dtype=dt).requires_grad_()
+    weight = (torch.randn(V, H, device=dev) / H**0.5).to(dt).requires_grad_()
     targets = torch.randint(0, V, (T,), device=dev)
 
     def step():
         if method == "naive":
             lp, ent = naive_logprobs_entropy(hidden, weight, targets)
+        elif method == "naive-bf16":
+            lp, ent = _naive_rounded(hidden, weight, targets)
         else:
-            lp, ent = chunked_logprobs_entropy(hidden, weight, targets, chunk_size=chunk)
+            fused = method == "chunked-fused"
+            lp, ent = chunked_logprobs_entropy(hidden, weight, targets, chunk_size=chunk, fused=fused)
         (lp.sum() + 0.01 * ent.sum()).backward()
         hidden.grad = None
         weight.grad = None
@@ -82,6 +115,8 @@ def run_case(method: str, T: int, V: int, H: int, chunk: int, device: str, reps:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
+    if method == "chunked-fused":
+        step()  # compile outside the measurement (once per process; a training run pays it once)
     # measured run: first call, so nothing is cached from an earlier one
     if dev.type == "cuda":
         sync()
@@ -115,8 +150,9 @@ def run_case(method: str, T: int, V: int, H: int, chunk: int, device: str, reps:
         "T": T,
         "V": V,
         "H": H,
-        "chunk_size": chunk if method == "chunked" else None,
+        "chunk_size": chunk if method.startswith("chunked") else None,
         "device": device,
+        "dtype": dtype,
         "peak_mb": peak / MB,
         "peak_measure": how,
         "time_ms": 1000 * statistics.median(times),
@@ -125,8 +161,9 @@ def run_case(method: str, T: int, V: int, H: int, chunk: int, device: str, reps:
     }
 
 
-def spawn_case(method, T, V, H, chunk, device, reps, threads, timeout) -> dict:
-    cmd = [sys.executable, __file__, "--_case", json.dumps([method, T, V, H, chunk, device, reps, threads])]
+def spawn_case(method, T, V, H, chunk, device, reps, threads, timeout, dtype) -> dict:
+    case = [method, T, V, H, chunk, device, reps, threads, dtype]
+    cmd = [sys.executable, __file__, "--_case", json.dumps(case)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -144,6 +181,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--hidden", type=int, default=256, help="hidden size H")
     ap.add_argument("--chunk-size", type=int, default=1024)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
+    ap.add_argument("--seq-lens", default=None, help="comma-separated T values (overrides the grid)")
+    ap.add_argument("--vocabs", default=None, help="comma-separated V values (overrides the grid)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument(
@@ -164,18 +205,26 @@ def main(argv=None) -> int:
         seq_lens, vocabs, reps = [512, 2048, 4096], [8192, 32768], args.reps or 1
     else:
         seq_lens, vocabs, reps = [1024, 2048, 4096, 8192], [8192, 32768, 65536], args.reps or 2
+    seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else seq_lens
+    vocabs = [int(x) for x in args.vocabs.split(",")] if args.vocabs else vocabs
+    default_methods = ("naive", "chunked") if args.device == "cpu" else METHODS
+    methods = args.methods.split(",") if args.methods else default_methods
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        ap.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     results = []
     for V in vocabs:
         for T in seq_lens:
-            for method in ("naive", "chunked"):
-                if method == "naive" and 6 * T * V * 4 > args.naive_max_gb * 1024**3:
+            for method in methods:
+                if method.startswith("naive") and 6 * T * V * 4 > args.naive_max_gb * 1024**3:
                     results.append(
                         {"method": method, "T": T, "V": V, "H": args.hidden, "error": "skipped (memory)"}
                     )
                     continue
                 r = spawn_case(
-                    method, T, V, args.hidden, args.chunk_size, args.device, reps, args.threads, args.timeout
-                )
+                    method, T, V, args.hidden, args.chunk_size, args.device, reps, args.threads, args.timeout,
+                    args.dtype,
+                )  # fmt: skip
                 results.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
 
@@ -189,6 +238,8 @@ def main(argv=None) -> int:
             "device": args.device,
             "hidden": args.hidden,
             "chunk_size": args.chunk_size,
+            "dtype": args.dtype,
+            "methods": list(methods),
         }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)
@@ -200,29 +251,43 @@ def _print_table(results: list[dict], args) -> None:
     from rich.table import Table
 
     by_key = {(r["method"], r["T"], r["V"]): r for r in results}
+    methods = [m for m in METHODS if any(r["method"] == m for r in results)]
     table = Table(
-        title=f"log-probs fwd+bwd, H={args.hidden}, chunk={args.chunk_size}, device={args.device}, "
+        title=f"log-probs fwd+bwd, H={args.hidden}, {args.dtype}, chunk={args.chunk_size}, device={args.device}, "
         f"threads={args.threads}"
     )
-    for col in ("T", "V", "[T,V] fp32 MB", "naive peak MB", "chunked peak MB", "naive ms", "chunked ms"):
-        table.add_column(col, justify="right")
+    table.add_column("T", justify="right")
+    table.add_column("V", justify="right")
+    table.add_column("[T,V] fp32 MB", justify="right")
+    for m in methods:
+        table.add_column(f"{m} peak MB", justify="right")
+    for m in methods:
+        table.add_column(f"{m} ms", justify="right")
+    ratio = [m for m in ("chunked", "chunked-fused") if m in methods] if "naive-bf16" in methods else []
+    for m in ratio:
+        table.add_column(f"{m} / naive-bf16", justify="right")
 
     def cell(r: dict | None, key: str) -> str:
         if r is None:
             return "-"
         if "error" in r:
             return r["error"]
-        return f"{r[key]:.0f}"
+        return f"{r[key]:.0f}" if key == "peak_mb" else f"{r[key]:.1f}"
 
     for T, V in sorted({(r["T"], r["V"]) for r in results}, key=lambda k: (k[1], k[0])):
-        n, c = by_key.get(("naive", T, V)), by_key.get(("chunked", T, V))
-        table.add_row(
-            str(T), str(V), f"{T * V * 4 / MB:.0f}", cell(n, "peak_mb"), cell(c, "peak_mb"), cell(n, "time_ms"),
-            cell(c, "time_ms"),
-        )  # fmt: skip
-    Console().print(table)
+        row = [str(T), str(V), f"{T * V * 4 / MB:.0f}"]
+        row += [cell(by_key.get((m, T, V)), "peak_mb") for m in methods]
+        row += [cell(by_key.get((m, T, V)), "time_ms") for m in methods]
+        base = by_key.get(("naive-bf16", T, V))
+        for m in ratio:
+            r = by_key.get((m, T, V))
+            ok = base and r and "time_ms" in base and "time_ms" in r
+            row.append(f"{r['time_ms'] / base['time_ms']:.2f}x" if ok else "-")
+        table.add_row(*row)
+    console = Console(width=220)
+    console.print(table)
     hows = {r.get("peak_measure") for r in results if "peak_measure" in r}
-    Console().print(f"peak = {', '.join(sorted(hows))} over one forward+backward, fresh process per case")
+    console.print(f"peak = {', '.join(sorted(hows))} over one forward+backward, fresh process per case")
 
 
 if __name__ == "__main__":

@@ -156,7 +156,38 @@ def test_bad_cu_seqlens_and_backend():
         packed_attention(q, k, v, cu, backend="tpu")
 
 
-def test_cuda_without_flash_attn_falls_back_to_exact_path(monkeypatch):
+class FakeVarlen:
+    """``varlen_attn`` with PyTorch's signature, computed by the dense oracle; records each call.
+
+    Without ``native_gqa`` it refuses unequal head counts, as torch 2.11's ``varlen_attn`` does."""
+
+    def __init__(self, native_gqa):
+        self.native_gqa = native_gqa
+        self.calls = []
+
+    def __call__(self, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kw):
+        self.calls.append({"k": k, "v": v, "heads": q.shape[1], "window": window_size, **kw})
+        assert window_size == (-1, 0), "causal attention is window_size=(-1, 0)"
+        assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+        if q.shape[1] != k.shape[1] and not kw.get("enable_gqa"):
+            raise ValueError("Expect query and key/value to have the same number of heads")
+        return dense_reference(q, k, v, cu_seq_q.tolist(), scale)
+
+
+@pytest.mark.parametrize("native_gqa", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+def test_varlen_path_gqa_without_repeating_kv(heads, native_gqa):
+    q, k, v, cu = make([6, 1, 9, 4], *heads)
+    fake = FakeVarlen(native_gqa)
+    out = pa.varlen_causal_attention(fake, q, k, v, cu, 9, 1 / math.sqrt(q.shape[-1]), native_gqa)
+    torch.testing.assert_close(out, dense_reference(q, k, v, cu.tolist()), rtol=1e-5, atol=1e-5)
+    rep = heads[0] // heads[1]
+    assert len(fake.calls) == (1 if native_gqa or rep == 1 else rep)
+    for call in fake.calls:  # the very K/V tensors: never a repeated copy
+        assert call["k"] is k and call["v"] is v
+
+
+def test_cuda_dispatch_half_precision_uses_varlen_full_precision_is_exact(monkeypatch):
     import builtins
 
     real_import = builtins.__import__
@@ -167,6 +198,26 @@ def test_cuda_without_flash_attn_falls_back_to_exact_path(monkeypatch):
         return real_import(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_flash)
+    fake = FakeVarlen(native_gqa=False)
+    monkeypatch.setattr(pa, "_torch_varlen_attn", lambda: (fake, False))
     q, k, v, cu = make([6, 2, 9])
+    # float32: the exact per-segment path (the varlen kernels are half precision only).
     out = packed_attention(q, k, v, cu, backend="cuda")  # CPU tensors: exercises the dispatch only
     torch.testing.assert_close(out, dense_reference(q, k, v, cu.tolist()), rtol=1e-5, atol=1e-5)
+    assert fake.calls == []
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    out = packed_attention(qb, kb, vb, cu, backend="cuda")
+    assert len(fake.calls) == 2  # 4 query heads over 2 KV heads: two MHA calls
+    torch.testing.assert_close(out, dense_reference(qb, kb, vb, cu.tolist()), rtol=0, atol=0)
+
+
+def test_torch_varlen_attn_signature_is_what_the_cuda_path_calls():
+    varlen_attn, native_gqa = pa._torch_varlen_attn()
+    if varlen_attn is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    import inspect
+
+    params = inspect.signature(varlen_attn).parameters
+    assert list(params)[:7] == ["query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k"]
+    assert params["window_size"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert native_gqa == ("enable_gqa" in params)
