@@ -34,7 +34,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.check:
         print(to_yaml(cfg), end="")
         return 0
+    from areal_npu.platform import use_device
     from areal_npu.run import run_rl
+
+    try:  # validated above; the trainer and every engine it starts compute there
+        use_device(cfg.device)
+    except ValueError as exc:
+        raise ConfigError("device", str(exc)) from None
 
     summary = run_rl(cfg, resume=args.resume)
     print(json.dumps(summary))

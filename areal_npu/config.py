@@ -3,7 +3,8 @@
 Each component defines its own ``Config`` dataclass beside itself (``areal_npu/data/packing.py``
 has ``PackingConfig`` ...); :class:`ExperimentConfig` composes them. Loading goes through
 OmegaConf structured configs, so unknown keys and wrong types are caught by the schema; every
-dataclass may define ``validate()`` for impossible combinations. All failures become
+dataclass may define ``validate()`` for impossible combinations (and ``pre_validate()`` for what
+must be settled before its children validate, see :func:`validate_tree`). All failures become
 :class:`ConfigError`, which names the dotted key (and a close match for typos); the CLI turns it
 into exit code 2 without a traceback.
 """
@@ -37,11 +38,20 @@ class ExperimentConfig:
     name: str = "areal-npu"
     seed: int = 1
     run_dir: str = "runs/${name}"
-    device: str = "auto"  # auto | npu | cuda | cpu
+    device: str = "auto"  # auto | npu | cuda | cpu; validation resolves auto to what this machine has
 
-    def validate(self) -> None:
+    def pre_validate(self) -> None:
+        """Resolve ``device`` through the device seam before the components validate against it."""
         if self.device not in ("auto", "npu", "cuda", "cpu"):
             raise ConfigError("device", f"must be one of auto, npu, cuda, cpu; got {self.device!r}")
+        from areal_npu.platform import select_device
+
+        try:
+            self.device = select_device(self.device).device_type
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: AREAL_NPU_DEVICE=npu without an NPU
+            raise ConfigError("device", str(exc)) from None
+
+    def validate(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError("name", f"must be a non-empty name without '/'; got {self.name!r}")
 
@@ -76,16 +86,26 @@ def _translate(schema: type, exc: OmegaConfBaseException) -> ConfigError:
 
 
 def validate_tree(obj: Any, prefix: str = "") -> None:
-    """Call ``validate()`` on every dataclass in the tree, depth first; prefix errors with the path."""
+    """Check every dataclass in the tree; prefix errors with the path.
+
+    Per node: ``pre_validate()`` first (what the node supports at all, and fields it derives for
+    its children, so they validate against the derived values), then the children, then
+    ``validate()`` (combinations, which may assume valid children).
+    """
     if not dataclasses.is_dataclass(obj):
         return
+    _call_check(obj, "pre_validate", prefix)
     for f in dataclasses.fields(obj):
         validate_tree(getattr(obj, f.name), f"{prefix}{f.name}.")
-    validate = getattr(obj, "validate", None)
-    if validate is None:
+    _call_check(obj, "validate", prefix)
+
+
+def _call_check(obj: Any, method: str, prefix: str) -> None:
+    check = getattr(obj, method, None)
+    if check is None:
         return
     try:
-        validate()
+        check()
     except ConfigError as exc:
         raise ConfigError(prefix + exc.key, str(exc)[len(exc.key) + 2 :] if exc.key else str(exc)) from None
     except ValueError as exc:

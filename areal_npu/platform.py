@@ -2,12 +2,16 @@
 
 Everything device-specific the rest of the code needs -- which device, which collective backend,
 which visible-devices variable, memory numbers, bf16 -- comes from :func:`current_platform`.
-This is the only module that imports ``torch_npu`` (invariant 6), and only inside the NPU branch.
+This is the only module that imports ``torch_npu``, and only inside the NPU branch.
 
 Detection order: ``AREAL_NPU_DEVICE`` (``npu`` | ``cuda`` | ``cpu``) if set, else an NPU if
 ``torch_npu`` imports and reports a device, else CUDA if available, else the CPU. A ``torch_npu``
 that is installed but broken (typically CANN missing: ``libhccl.so`` not found) falls back to the
 next device with one clear warning instead of breaking ``import torch``.
+
+A recipe's ``device:`` key goes through the same seam: :func:`select_device` checks it against the
+environment variable and the machine, and :func:`use_device` makes it this process's (and its
+children's) platform by setting ``AREAL_NPU_DEVICE``.
 """
 
 from __future__ import annotations
@@ -186,6 +190,57 @@ def detect_platform(
     return Platform(
         PROFILES["cpu"], reason="no accelerator found", warning=warning, torch_npu_version=npu_version
     )
+
+
+def select_device(
+    requested: str,
+    env: dict[str, str] | None = None,
+    import_module: Callable[[str], ModuleType] = importlib.import_module,
+    cuda_available: Callable[[], bool] | None = None,
+) -> Platform:
+    """The platform a run configured with ``device: requested`` computes on.
+
+    ``auto`` is :func:`detect_platform`. An explicit family must agree with ``AREAL_NPU_DEVICE``
+    when that is set (two settings that disagree are refused, not ranked) and must exist here: an
+    NPU that ``torch_npu`` reports, a CUDA device ``torch.cuda.is_available()`` sees, or the CPU.
+    Raises ``ValueError`` saying which of those failed.
+    """
+    env = os.environ if env is None else env
+    if requested == "auto":
+        return detect_platform(env, import_module, cuda_available)
+    if requested not in DEVICE_TYPES:
+        raise ValueError(f"must be one of auto, {', '.join(DEVICE_TYPES)}; got {requested!r}")
+    forced = env.get(DEVICE_ENV, "").strip().lower()
+    if forced and forced != requested:
+        raise ValueError(
+            f"{requested!r} disagrees with {DEVICE_ENV}={forced} in the environment; "
+            f"unset one of them or make them equal"
+        )
+    if requested == "cpu":
+        return Platform(PROFILES["cpu"], reason="device: cpu")
+    if requested == "npu":
+        npu_ok, npu_version, warning = _npu_probe(import_module)
+        if not npu_ok:
+            raise ValueError(
+                f"'npu' but this machine has no usable NPU ({warning or 'torch_npu is not installed'})"
+            )
+        return Platform(PROFILES["npu"], reason="device: npu", torch_npu_version=npu_version)
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available
+    if not cuda_available():
+        raise ValueError("'cuda' but torch.cuda.is_available() is false on this machine")
+    return Platform(PROFILES["cuda"], reason="device: cuda")
+
+
+def use_device(requested: str) -> Platform:
+    """Make ``device: requested`` this process's platform (and, through ``AREAL_NPU_DEVICE``, the
+    platform of every process it starts: trainer ranks, rollout engines)."""
+    chosen = select_device(requested)
+    os.environ[DEVICE_ENV] = chosen.device_type
+    current_platform.cache_clear()
+    return current_platform()
 
 
 @functools.lru_cache(maxsize=1)

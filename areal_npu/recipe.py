@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from areal_npu.agent.tasks import TaskConfig
 from areal_npu.agent.workflows import WorkflowConfig
@@ -18,6 +19,53 @@ from areal_npu.train.engine import TrainEngineConfig
 class ModelConfig:
     path: str = ""  # a Hugging Face checkpoint with mtp.* weights; "" builds the tiny Qwen3.5 + MTP model
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def validate(self) -> None:
+        if self.path:
+            check_hf_checkpoint(self.path)
+
+
+#: Files one of which a tokenizer needs (fast, sentencepiece, BPE, WordPiece); without any of them
+#: transformers 5 builds an *empty* tokenizer instead of failing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_hf_checkpoint(path: str) -> None:
+    """Refuse a ``model.path`` the run could not start from, before any work: a local directory
+    with a config transformers understands, safetensors weights, and a tokenizer (the trainer and
+    the engines both load theirs from it) with a pad token and no id beyond the model's vocabulary."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise ValueError(f"path {path!r} {what} (a local Hugging Face checkpoint directory is expected)")
+    if not (root / "config.json").is_file():
+        raise ValueError(f"path {path!r} has no config.json: not a Hugging Face checkpoint")
+    if not any(root.glob("*.safetensors")):
+        raise ValueError(f"path {path!r} has no *.safetensors weights")
+    if not any((root / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"path {path!r} has no usable tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError/OSError/KeyError here
+        raise ValueError(f"path {path!r}: transformers cannot read config.json ({_first_line(exc)})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(root)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"path {path!r} has no usable tokenizer ({_first_line(exc)})") from None
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"path {path!r}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size {vocab_size}"
+        )
+    if tokenizer.pad_token_id is None:
+        raise ValueError(f"path {path!r}: the tokenizer has no pad token (packing pads with it)")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 @dataclass
@@ -78,8 +126,27 @@ class RLConfig(ExperimentConfig):
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
+    def pre_validate(self) -> None:
+        super().pre_validate()  # resolves self.device on this machine
+        # One derivation: the engines run on the run's device; a different explicit one is refused.
+        if self.rollout.device == "auto":
+            self.rollout.device = self.device
+        elif self.rollout.device in ("npu", "cuda", "cpu") and self.rollout.device != self.device:
+            raise ConfigError(
+                "rollout.device",
+                f"is {self.rollout.device!r} but the run's device is {self.device!r}; "
+                "leave rollout.device at auto (it follows device) or set device instead",
+            )
+
     def validate(self) -> None:
         super().validate()
+        if self.workflow.group_size < 2:
+            # Both GRPO and Dr.GRPO subtract the group mean: a group of one always gets advantage 0.
+            raise ConfigError(
+                "workflow.group_size",
+                f"must be >= 2 for GRPO (got {self.workflow.group_size}): advantages are rewards minus "
+                "their group's mean, so with one sample per group every advantage is 0 and nothing is learned",
+            )
         spec = self.rollout.spec
         if spec.enabled and spec.is_mtp and not self.mtp.enabled:
             raise ConfigError(

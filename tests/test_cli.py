@@ -26,6 +26,25 @@ def test_doctor_json_is_valid_and_consistent():
     assert set(report["paths"]) == {"rollout", "packed_attention", "train_fsdp2", "train_megatron"}
 
 
+def test_doctor_reports_the_running_torch_not_its_wheel_metadata(monkeypatch):
+    """PyPI's CUDA wheels declare ``2.11.0`` in their metadata while ``torch.__version__`` is
+    ``2.11.0+cu130``; doctor reports the latter (what runs, with its build tag)."""
+    import importlib.metadata
+
+    import torch
+
+    from areal_npu import doctor
+
+    metadata_version = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda dist: "2.11.0" if dist == "torch" else metadata_version(dist),
+    )
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert doctor.collect()["versions"]["torch"] == "2.11.0+cu130"
+
+
 def test_doctor_table_is_readable():
     out = _cli("doctor")
     assert out.returncode == 0, out.stderr
@@ -70,3 +89,28 @@ def test_quickstart_recipe_is_valid():
     out = _cli("train", str(recipe), "--check")
     assert out.returncode == 0, out.stderr
     assert "method: mtp" in out.stdout and "max_staleness: 1" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("workflow.path=foo.Bar", "workflow.path"), ("model.path=/nonexistent/model", "model.path")],
+)
+def test_check_resolves_paths_and_exits_2_in_one_line(override, key):
+    """Caught by `--check`, before any warm start or engine launch, as one line without a traceback."""
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "cpu" / "quickstart.yaml"
+    out = _cli("train", str(recipe), "--check", override)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith(f"config error: {key}: ") and "Traceback" not in out.stderr
+
+
+def test_doctor_names_the_cuda_attention_kernel_packed_attention_dispatches_to():
+    """What doctor says for CUDA matches the kernel's own dispatch (kernels/packed_attention.py):
+    flash-attn when installed, else PyTorch's varlen kernel; never a per-segment loop in bf16."""
+    from areal_npu.doctor import component_paths
+
+    without = component_paths("cuda", {"vllm": "0.23.0"})["packed_attention"]
+    with_fa = component_paths("cuda", {"vllm": "0.23.0", "flash_attn": "2.8.3"})["packed_attention"]
+    assert without.startswith("torch varlen_attn") and with_fa.startswith("flash-attn varlen")

@@ -66,3 +66,58 @@ def test_missing_and_broken_recipe(tmp_path):
     bad.write_text("optim: [unclosed\n")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config(RecipeConfig, bad)
+
+
+def _machine_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_device_is_resolved_on_this_machine(monkeypatch):
+    monkeypatch.delenv("AREAL_NPU_DEVICE", raising=False)
+    from areal_npu.platform import detect_platform
+
+    assert load_config(RecipeConfig, None, ["device=cpu"]).device == "cpu"
+    # auto becomes what the device seam detects here, so what is printed is what runs
+    assert load_config(RecipeConfig, None, []).device == detect_platform().device_type
+
+
+@pytest.mark.skipif(_machine_has_cuda(), reason="needs a machine without CUDA")
+def test_device_the_machine_lacks_is_refused(monkeypatch):
+    monkeypatch.delenv("AREAL_NPU_DEVICE", raising=False)
+    with pytest.raises(ConfigError) as info:
+        load_config(RecipeConfig, None, ["device=cuda"])
+    assert info.value.key == "device" and "torch.cuda.is_available() is false" in str(info.value)
+
+
+def test_device_that_disagrees_with_the_environment_is_refused(monkeypatch):
+    monkeypatch.setenv("AREAL_NPU_DEVICE", "cpu")
+    with pytest.raises(ConfigError) as info:
+        load_config(RecipeConfig, None, ["device=npu"])
+    assert info.value.key == "device" and "AREAL_NPU_DEVICE=cpu" in str(info.value)
+
+
+@dataclass
+class ChildConfig:
+    mode: str = "auto"
+
+    def validate(self):
+        if self.mode == "auto":
+            raise ValueError("mode must be resolved before it is validated")
+
+
+@dataclass
+class ParentConfig:
+    child: ChildConfig = field(default_factory=ChildConfig)
+
+    def pre_validate(self):
+        self.child.mode = "resolved"  # a field the parent derives for its child
+
+    def validate(self):
+        if self.child.mode != "resolved":
+            raise ValueError("child was not given the derived value")
+
+
+def test_pre_validate_runs_before_the_children():
+    assert load_config(ParentConfig, None, []).child.mode == "resolved"

@@ -112,6 +112,7 @@ def test_import_with_torch_npu_that_breaks_torch_autoload(tmp_path):
         with warnings.catch_warnings(record=True) as caught:
             import areal_npu.platform as p
             import torch
+            torch.cuda.is_available = lambda: False  # simulate no GPU: the fallback must be the CPU anywhere
             platform = p.current_platform()
         print(platform.device_type, sum("torch_npu is installed but failed" in str(w.message) for w in caught))
         """
@@ -132,3 +133,44 @@ def test_import_with_torch_npu_that_breaks_torch_autoload(tmp_path):
         timeout=120,
     )
     assert bare.returncode != 0 and "libhccl" in bare.stderr
+
+
+# A recipe's `device:` against simulated machines. Reference: what each machine has, written out.
+_MACHINES = {
+    "cpu only": dict(import_module=_importer(None), cuda_available=lambda: False),
+    "cuda": dict(import_module=_importer(None), cuda_available=lambda: True),
+    "npu": dict(import_module=_importer(_fake_torch_npu()), cuda_available=lambda: False),
+    "broken npu": dict(import_module=_importer(OSError("libhccl.so")), cuda_available=lambda: False),
+}
+_HAS = {"cpu only": {"cpu"}, "cuda": {"cpu", "cuda"}, "npu": {"cpu", "npu"}, "broken npu": {"cpu"}}
+
+
+@pytest.mark.parametrize("machine", sorted(_MACHINES))
+@pytest.mark.parametrize("requested", ["cpu", "cuda", "npu"])
+def test_requested_device_is_used_when_the_machine_has_it(machine, requested):
+    if requested in _HAS[machine]:
+        p = plat.select_device(requested, env={}, **_MACHINES[machine])
+        assert (p.device_type, p.dist_backend) == (requested, {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[requested])
+    else:
+        with pytest.raises(ValueError, match=f"'{requested}' but"):
+            plat.select_device(requested, env={}, **_MACHINES[machine])
+
+
+def test_requested_device_that_disagrees_with_the_environment_is_refused():
+    machine = _MACHINES["cuda"]
+    with pytest.raises(ValueError, match="disagrees with AREAL_NPU_DEVICE=cpu"):
+        plat.select_device("cuda", env={"AREAL_NPU_DEVICE": "cpu"}, **machine)
+    assert plat.select_device("cpu", env={"AREAL_NPU_DEVICE": "cpu"}, **machine).device_type == "cpu"
+    assert plat.select_device("auto", env={"AREAL_NPU_DEVICE": "cpu"}, **machine).device_type == "cpu"
+    assert plat.select_device("auto", env={}, **machine).device_type == "cuda"
+
+
+def test_use_device_makes_it_this_process_platform(monkeypatch):
+    monkeypatch.delenv("AREAL_NPU_DEVICE", raising=False)
+    plat.current_platform.cache_clear()
+    try:
+        assert plat.use_device("cpu").device_type == "cpu"
+        assert os.environ["AREAL_NPU_DEVICE"] == "cpu"  # inherited by the engines and ranks it starts
+        assert plat.current_platform().device_type == "cpu"
+    finally:
+        plat.current_platform.cache_clear()

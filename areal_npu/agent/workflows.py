@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 from dataclasses import dataclass
 
 from areal_npu.agent.reward import reward_many
@@ -34,10 +35,7 @@ class WorkflowConfig:
     reward_workers: int = 2  # concurrent sandboxes per workflow call
 
     def validate(self) -> None:
-        if "." not in self.path:
-            raise ValueError(
-                f"path must be a dotted path like areal_npu.agent.workflows.SingleTurn, got {self.path!r}"
-            )
+        workflow_class(self.path)  # imported now, so a typo stops the run before any work
         if self.group_size < 1:
             raise ValueError("group_size must be >= 1")
         if self.max_new_tokens < 1:
@@ -50,13 +48,31 @@ class WorkflowConfig:
             raise ValueError("turn_discount must be in (0, 1]")
 
 
-def load_workflow(cfg: WorkflowConfig, tokenizer):
-    module_name, _, class_name = cfg.path.rpartition(".")
+def workflow_class(path: str) -> type:
+    """The class a dotted ``module.Class`` path names; ValueError (starting with ``path``) if it
+    cannot be imported or is not a workflow (a class with an async ``run(task, client, group_id)``)."""
+    module_name, _, class_name = path.rpartition(".")
+    if not module_name or not class_name:
+        raise ValueError(
+            f"path must be a dotted path like areal_npu.agent.workflows.SingleTurn, got {path!r}"
+        )
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"path {cfg.path!r} does not name a workflow class: {exc}") from None
-    return cls(cfg, tokenizer)
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - a user module can fail to import in any way
+        why = f"cannot import {module_name!r} ({type(exc).__name__}: {exc})"
+    else:
+        cls = getattr(module, class_name, None)
+        if cls is None:
+            why = f"module {module_name!r} has no {class_name!r}"
+        elif not inspect.isclass(cls) or not inspect.iscoroutinefunction(getattr(cls, "run", None)):
+            why = "not a class with an async run(task, client, group_id)"
+        else:
+            return cls
+    raise ValueError(f"path {path!r} does not name a workflow class: {why}")
+
+
+def load_workflow(cfg: WorkflowConfig, tokenizer):
+    return workflow_class(cfg.path)(cfg, tokenizer)
 
 
 class SingleTurn:

@@ -26,6 +26,7 @@ __all__ = [
     "attention_cost",
     "balance_across_ranks",
     "check_lengths",
+    "cp_padded_length",
     "ffd_pack",
     "kk_partition",
     "lower_bound_micro_batches",
@@ -41,7 +42,10 @@ __all__ = [
 class PackingConfig:
     """How a step's sequences become micro-batches.
 
-    max_tokens_per_mb: hard cap on the tokens in one micro-batch (before alignment padding).
+    max_tokens_per_mb: hard cap on the slots of one micro-batch: real tokens plus the per-sequence
+        context-parallel padding (each sequence rounded up to a multiple of ``2 * cp``); since the cap
+        is a multiple of the alignment, the trailing alignment segment never pushes a micro-batch
+        past it either.
     mode: ``"ffd"`` (First-Fit-Decreasing, fewest micro-batches) or ``"kk"`` (Karmarkar-Karp largest
         differencing: token sums balanced across micro-batches, count grown until the cap holds).
     min_mbs: at least this many micro-batches (e.g. pipeline stages need several).
@@ -256,17 +260,27 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def cp_padded_length(s: int, cp_size: int) -> int:
+    """Slots a sequence of ``s`` tokens takes in a packed micro-batch: ``s`` without context
+    parallelism, ``round_up(s, 2 * cp)`` with it (it must split into ``2 * cp`` equal chunks)."""
+    return _round_up(int(s), 2 * cp_size) if cp_size > 1 else int(s)
+
+
 def plan_micro_batches(lengths: Sequence[int], config: PackingConfig, group=None) -> list[list[int]]:
     """Plan this rank's micro-batches; every rank in ``group`` gets the same count.
 
     count = round_up(max(max over ranks of local_count, min_mbs), mbs_divisor), where local_count is
     the FFD bin count (mode "ffd") or the smallest k >= L whose KK partition fits the cap (mode
     "kk"). If the agreed count is above the local one, the rank re-plans with
-    :func:`pack_to_count`. Every micro-batch holds at most ``max_tokens_per_mb`` tokens.
+    :func:`pack_to_count`. Sequences are planned at their packed size :func:`cp_padded_length`, so
+    every micro-batch's packed layout holds at most ``max_tokens_per_mb`` slots.
     """
     config.validate()
     cap = config.max_tokens_per_mb
     lengths = check_lengths(lengths, cap, config.on_too_long)
+    # The packed layout pads every sequence to a multiple of 2 * cp inside its own segment; those
+    # slots cost memory and compute like real tokens, so the cap must count them.
+    lengths = [cp_padded_length(s, config.cp_size) for s in lengths]
     if config.mode == "ffd":
         local = ffd_pack(lengths, cap)
     else:

@@ -1,8 +1,8 @@
 """Trajectories as they come back from rollouts, and their training view.
 
-Token in, token out (invariant 1): a trajectory keeps the engine's token ids; nothing is
+Token in, token out: a trajectory keeps the engine's token ids; nothing is
 re-tokenised. Every generated token carries the weight version that produced it and its behaviour
-log-prob (invariant 2). Tool or environment tokens of multi-turn episodes sit in the response with
+log-prob. Tool or environment tokens of multi-turn episodes sit in the response with
 ``loss_mask`` 0, version -1 and log-prob 0.
 
 The training view is *token-aligned*: position i of every per-token tensor describes token i of
@@ -69,3 +69,29 @@ def sft_sample(prompt_ids: list[int], answer_ids: list[int]) -> dict[str, torch.
         "input_ids": torch.tensor(ids, dtype=torch.long),
         "loss_mask": torch.tensor([0] * len(prompt_ids) + [1] * len(answer_ids), dtype=torch.bool),
     }
+
+
+def truncate_sample(sample: dict, max_tokens: int) -> dict:
+    """The first ``max_tokens`` tokens of a training sample (``packing.on_too_long="truncate"``).
+
+    Every per-token tensor (first dimension equal to ``len(input_ids)``) keeps its first
+    ``max_tokens`` rows, so ids, loss mask, behaviour/proximal log-probs and versions stay aligned;
+    per-sample values (the advantage) and per-token tensors already that short pass through. A
+    sample that fits is returned as it is.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    n = int(sample["input_ids"].shape[0])
+    if n <= max_tokens:
+        return sample
+    out = {}
+    for key, value in sample.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
+            out[key] = value[:max_tokens]
+        elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] != max_tokens:
+            raise ValueError(
+                f"{key} has {value.shape[0]} rows; a per-token field needs {n} (or {max_tokens} once truncated)"
+            )
+        else:
+            out[key] = value
+    return out

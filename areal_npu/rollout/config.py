@@ -145,7 +145,9 @@ class RolloutConfig:
     num_engines: int = 1  # data-parallel rollout engines, one process each
     host: str = "127.0.0.1"
     base_port: int = 0  # 0: pick free ports
-    device: str = "auto"  # auto | npu | cuda | cpu (decides transports and the Ascend limits)
+    # auto | npu | cuda | cpu (decides transports and the Ascend limits); in a recipe, auto takes
+    # the top-level device and any other value must equal it (areal_npu/recipe.py)
+    device: str = "auto"
     dtype: str = "float32"
     max_model_len: int = 2048
     seed: int = 0

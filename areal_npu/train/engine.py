@@ -19,8 +19,10 @@ from torch import nn
 
 from areal_npu.algo.guard import NonFiniteError, nonfinite_guard
 from areal_npu.algo.ppo import PPOConfig, decoupled_ppo_loss
+from areal_npu.config import ConfigError
 from areal_npu.data.packed_layout import pack_per_token, pack_sequences, unpack_per_token
 from areal_npu.data.packing import PackingConfig, packing_stats, plan_micro_batches
+from areal_npu.data.trajectory import truncate_sample
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.mtp_params import apply_mtp_mode, mtp_mode
 from areal_npu.model.mtp_targets import build_mtp_targets
@@ -43,7 +45,21 @@ class TrainEngineConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     packing: PackingConfig = field(default_factory=lambda: PackingConfig(max_tokens_per_mb=8192))
 
+    def pre_validate(self) -> None:
+        """Before ``packing`` validates, so a tp/cp size is refused for what it is rather than as
+        a cap that is not a multiple of its alignment."""
+        # The packing library lays out TP/CP-aligned micro-batches, but this engine shards with
+        # FSDP2 only: a tp/cp size here would pad the batch and parallelise nothing.
+        for key in ("tp_size", "cp_size"):
+            if getattr(self.packing, key) != 1:
+                raise ConfigError(
+                    f"packing.{key}",
+                    f"must be 1: the FSDP2 engine has no {key[:2]} parallelism "
+                    f"(got {getattr(self.packing, key)}; tensor/context parallelism needs a Megatron backend)",
+                )
+
     def validate(self) -> None:
+        self.pre_validate()  # also when the engine checks its config directly
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.logprob_chunk_size < 1:
@@ -114,6 +130,14 @@ class FSDPEngine:
         )
 
     # ---- batching -------------------------------------------------------------------------------
+    def _fit_cap(self, samples: Sequence[dict]) -> list[dict]:
+        """``on_too_long="truncate"``: every sample keeps its first ``max_tokens_per_mb`` tokens
+        (all per-token fields alike), so planner, packed layout, loss and MTP labels see the same
+        tokens. ``"error"``: unchanged; the planner refuses a sequence over the cap."""
+        if self.config.packing.on_too_long != "truncate":
+            return list(samples)
+        return [truncate_sample(s, self.config.packing.max_tokens_per_mb) for s in samples]
+
     def _micro_batches(self, samples: Sequence[dict], fields: dict[str, object]) -> tuple[list, list, dict]:
         """(plan, packed micro-batches, packing stats). ``fields``: prediction-aligned extras + pad."""
         lengths = [int(s["input_ids"].shape[0]) for s in samples]
@@ -174,7 +198,11 @@ class FSDPEngine:
     # ---- public operations ----------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[dict]) -> list[torch.Tensor]:
-        """Token-aligned log-probs of every sample under the current weights (position 0 is 0)."""
+        """Token-aligned log-probs of every sample under the current weights (position 0 is 0).
+
+        With ``on_too_long="truncate"`` a sample over the cap gets log-probs for its first
+        ``max_tokens_per_mb`` tokens only: the tokens the train step trains on."""
+        samples = self._fit_cap(samples)
         plan, mbs, _ = self._micro_batches(samples, {})
         out: list[torch.Tensor | None] = [None] * len(samples)
         for indices, mb in zip(plan, mbs):
@@ -226,7 +254,9 @@ class FSDPEngine:
         step = self.version if step is None else step
         if loss not in ("ppo", "sft"):
             raise ValueError(f"loss must be 'ppo' or 'sft', got {loss!r}")
-        samples = [dict(s) for s in samples]
+        cap = self.config.packing.max_tokens_per_mb
+        truncated = sum(int(s["input_ids"].shape[0]) > cap for s in samples)  # local, like packing/*
+        samples = [dict(s) for s in self._fit_cap(samples)]
         if loss == "ppo":
             nonfinite_guard(
                 step,
@@ -308,6 +338,8 @@ class FSDPEngine:
         self.module.set_requires_gradient_sync(True)
         stats = merge_stats(per_mb_stats)
         stats.update(pack_stats)
+        if self.config.packing.on_too_long == "truncate":
+            stats["packing/truncated_sequences"] = float(truncated)
         stats["train/n_tokens"] = n_tokens
         return stats
 

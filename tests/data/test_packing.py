@@ -51,7 +51,7 @@ def naive_ffd(lengths, cap):
 
 
 def test_published_example_padded_vs_packed():
-    """docs/REFERENCES.md: lengths 27, 7, 13, 4 -> padded 4 x 27 = 108 slots (~48 %), packed 100 %.
+    """A published packing example: lengths 27, 7, 13, 4 -> padded 4 x 27 = 108 slots (~48 %), packed 100 %.
 
     The source quotes 52 real tokens, but 27 + 7 + 13 + 4 = 51 (51 / 108 = 47.2 %); the slot counts
     and the packed 100 % hold either way.
@@ -212,6 +212,35 @@ def test_config_cap_must_be_aligned():
     with pytest.raises(ValueError, match="max_tokens_per_mb"):
         PackingConfig(max_tokens_per_mb=100, tp_size=2, cp_size=2).validate()  # alignment 8
     assert PackingConfig(max_tokens_per_mb=96, tp_size=2, cp_size=2).validate().alignment == 8
+
+
+def test_context_parallel_padding_counts_against_the_cap():
+    """cp=2 pads every sequence to a multiple of 4: four 5-token sequences take 8 slots each, so
+    a 16-slot cap holds two of them per micro-batch (raw 5-token sums would put three in one)."""
+    plan = plan_micro_batches([5, 5, 5, 5], PackingConfig(max_tokens_per_mb=16, cp_size=2))
+    assert sorted(len(mb) for mb in plan) == [2, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(min_value=1, max_value=48), min_size=1, max_size=30),
+    st.sampled_from([(1, 2), (1, 3), (2, 2), (1, 4)]),
+    st.sampled_from(["ffd", "kk"]),
+    st.integers(min_value=1, max_value=4),
+)
+def test_context_parallel_micro_batches_stay_under_the_cap(lengths, tp_cp, mode, min_mbs):
+    tp, cp = tp_cp
+    alignment = 2 * tp * cp
+    cap = alignment * (-(-48 // alignment))  # the smallest aligned cap that fits every sequence
+    config = PackingConfig(max_tokens_per_mb=cap, mode=mode, min_mbs=min_mbs, tp_size=tp, cp_size=cp)
+    plan = plan_micro_batches(lengths, config)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    for mb in plan:
+        # reference: each sequence rounded up to 2 * cp chunks, by hand
+        assert sum(-(-lengths[i] // (2 * cp)) * 2 * cp for i in mb) <= cap
+        if mb:  # and the layout that is really built never exceeds the cap either
+            seqs = [torch.ones(lengths[i], dtype=torch.long) for i in mb]
+            assert pack_sequences(seqs, alignment=alignment, cp_size=cp).total_tokens <= cap
 
 
 # ---------------------------------------------------------------- layout

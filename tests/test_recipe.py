@@ -1,0 +1,148 @@
+"""`areal-npu train RECIPE --check` refuses every option that nothing stands behind, and every path
+the run could not start from, with exit 2 and one line naming the key: nothing is accepted and ignored.
+
+Run in-process through ``cli.main`` (the same code path as the command, minus interpreter start-up).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from areal_npu import cli
+from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "cpu" / "quickstart.yaml"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def check(capsys, *overrides):
+    """(exit code, stderr lines) of ``areal-npu train quickstart.yaml --check overrides...``."""
+    code = cli.main(["train", str(QUICKSTART), "--check", *overrides])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def assert_refused(capsys, overrides, key, fragment):
+    code, err = check(capsys, *overrides)
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith(f"config error: {key}: "), err
+    assert fragment in err[0], err
+
+
+@pytest.fixture(autouse=True)
+def machine_decides(monkeypatch):
+    monkeypatch.setenv("AREAL_NPU_DEVICE", "")  # records the original, restored after the test
+    monkeypatch.delenv("AREAL_NPU_DEVICE")
+    yield
+    from areal_npu.platform import current_platform
+
+    current_platform.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, mtp_num_hidden_layers=1)
+    return save_tiny_model(tmp_path_factory.mktemp("ckpt") / "tiny", cfg)
+
+
+def test_quickstart_and_truncate_pass(capsys):
+    code, err = check(capsys, "train.packing.on_too_long=truncate")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("std_normalize", ["true", "false"])  # GRPO and Dr.GRPO both centre on the mean
+def test_group_of_one_is_refused(capsys, std_normalize):
+    assert_refused(
+        capsys,
+        ["workflow.group_size=1", f"grpo.std_normalize={std_normalize}"],
+        "workflow.group_size",
+        ">= 2",
+    )
+
+
+@pytest.mark.parametrize("key, value", [("cp_size", 2), ("tp_size", 2), ("cp_size", 3), ("tp_size", 3)])
+def test_parallel_sizes_without_a_backend_are_refused(capsys, key, value):
+    # cp_size=3 / tp_size=3 do not divide the cap: still refused for the missing parallelism
+    assert_refused(capsys, [f"train.packing.{key}={value}"], f"train.packing.{key}", "must be 1")
+
+
+@pytest.mark.parametrize(
+    "path, fragment",
+    [
+        ("foo.Bar", "cannot import 'foo'"),
+        ("areal_npu.agent.workflows.Nope", "has no 'Nope'"),
+        ("areal_npu.agent.workflows.WorkflowConfig", "not a class with an async run"),
+        ("SingleTurn", "dotted path"),
+    ],
+)
+def test_workflow_class_is_imported_at_check_time(capsys, path, fragment):
+    assert_refused(capsys, [f"workflow.path={path}"], "workflow.path", fragment)
+
+
+def test_model_path_that_does_not_exist_is_refused(capsys, tmp_path):
+    assert_refused(capsys, [f"model.path={tmp_path / 'nonexistent'}"], "model.path", "does not exist")
+
+
+def test_model_path_without_config_or_weights_is_refused(capsys, tmp_path):
+    assert_refused(capsys, [f"model.path={tmp_path}"], "model.path", "no config.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    assert_refused(capsys, [f"model.path={tmp_path}"], "model.path", "no *.safetensors")
+
+
+def test_model_path_without_tokenizer_is_refused(capsys, tmp_path, tiny_checkpoint):
+    broken = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny_checkpoint, broken)
+    for name in TOKENIZER_FILES:
+        (broken / name).unlink(missing_ok=True)
+    assert_refused(capsys, [f"model.path={broken}"], "model.path", "no usable tokenizer")
+
+
+def test_tokenizer_with_ids_beyond_the_model_vocabulary_is_refused(capsys, tmp_path, tiny_checkpoint):
+    small = tmp_path / "small_vocab"
+    shutil.copytree(tiny_checkpoint, small)
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = 100  # the byte-level tokenizer has 259 tokens (256 bytes + 3 specials)
+    (small / "config.json").write_text(json.dumps(config))
+    assert_refused(
+        capsys, [f"model.path={small}"], "model.path", "259 tokens, more than the model's vocab_size 100"
+    )
+
+
+def test_model_path_with_checkpoint_passes(capsys, tiny_checkpoint):
+    code, err = check(capsys, f"model.path={tiny_checkpoint}")
+    assert code == 0, err
+
+
+def test_rollout_device_follows_the_run_device(capsys):
+    code = cli.main(["train", str(QUICKSTART), "--check"])  # quickstart says device: cpu
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "\ndevice: cpu\n" in out and "  device: cpu\n" in out  # top level and rollout
+
+
+def test_rollout_device_that_disagrees_is_refused(capsys):
+    assert_refused(capsys, ["rollout.device=cuda"], "rollout.device", "the run's device is 'cpu'")
+
+
+def test_device_that_disagrees_with_the_environment_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("AREAL_NPU_DEVICE", "cuda")
+    assert_refused(capsys, [], "device", "disagrees with AREAL_NPU_DEVICE=cuda")
+
+
+def test_train_computes_on_the_recipe_device(capsys, monkeypatch):
+    """The run starts only after `device:` became the platform of the trainer and its engines."""
+    import os
+
+    from areal_npu import run
+    from areal_npu.platform import current_platform
+
+    seen = {}
+
+    def fake_run_rl(cfg, resume=False):
+        seen.update(platform=current_platform().device_type, env=os.environ.get("AREAL_NPU_DEVICE"))
+        return {}
+
+    monkeypatch.setattr(run, "run_rl", fake_run_rl)
+    assert cli.main(["train", str(QUICKSTART)]) == 0
+    assert seen == {"platform": "cpu", "env": "cpu"}  # quickstart says device: cpu
