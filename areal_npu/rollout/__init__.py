@@ -3,6 +3,8 @@
 * ``config``    -- :class:`RolloutConfig` / :class:`SpecConfig` (validated before anything starts)
 * ``launcher``  -- :class:`EngineProcess`: one vLLM engine process group each, health-checked, restarted, no orphans
 * ``server``    -- the engine process (``python -m areal_npu.rollout.server``): vLLM's OpenAI app + ``/areal/*``
+* ``request_body`` -- the fields each ``/areal`` route accepts (bad bodies answer 400 naming the field)
+* ``parent_watch`` -- the engine's process group dies with the trainer that launched it
 * ``client``    -- :class:`RolloutClient`: async, token ids in / ids + behaviour log-probs + versions out
 * ``buckets``, ``worker_ext``, ``transports`` -- versioned weight sync of the policy and the MTP drafter
 * ``metrics``   -- acceptance metrics as deltas of the engine counters

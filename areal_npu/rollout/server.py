@@ -17,6 +17,9 @@ agent frameworks; this module adds, under ``/areal``:
 * ``POST /areal/spec_k`` -- ``{"k": K}``: draft length from the next scheduler step on (engines
   started with ``spec.adaptive``; 0 = no drafts; see ``spec_k.py``).
 * ``GET /areal/metrics`` (cumulative acceptance counters as JSON), ``GET /areal/version``.
+
+Every body is checked against its route's fields (``request_body.py``) before the engine is
+touched: a missing, wrong-typed or unknown field answers 400 naming the field.
 """
 
 import argparse
@@ -31,8 +34,9 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from areal_npu.rollout import spec_k
+from areal_npu.rollout import request_body, spec_k
 from areal_npu.rollout.config import RolloutConfig
+from areal_npu.rollout.parent_watch import die_with_parent
 
 TRANSFER_BACKENDS = {"nccl": "nccl", "cuda_ipc": "ipc", "hccl": "hccl", "npu_ipc": "npu_ipc"}
 
@@ -68,24 +72,29 @@ class EngineState:
             await self.rpc("areal_begin_update", target)
 
 
-def _sampling_params(body: dict[str, Any], cfg: RolloutConfig):
+def checked_top_k(body: dict[str, Any], cfg: RolloutConfig) -> int:
+    """The request's top-k (0: none), refused together with speculation (a validated ``body``)."""
+    top_k = cfg.top_k if body["top_k"] is None else body["top_k"]
+    if cfg.spec.enabled and top_k > 0:
+        raise request_body.BodyError(
+            "top_k", f"= {top_k} with speculative decoding ({cfg.spec.method}) crashes vLLM 0.32; use top_p"
+        )
+    return max(top_k, 0)
+
+
+def _sampling_params(body: dict[str, Any], top_k: int):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    top_k = int(body.get("top_k", cfg.top_k))
-    if cfg.spec.enabled and top_k > 0:
-        raise ValueError(
-            f"top_k={top_k} with speculative decoding ({cfg.spec.method}) crashes vLLM 0.32; use top_p"
-        )
     return SamplingParams(
-        n=int(body.get("n", 1)),
-        temperature=float(body.get("temperature", 1.0)),
-        top_p=float(body.get("top_p", 1.0)),
-        top_k=top_k if top_k > 0 else 0,
-        max_tokens=int(body.get("max_tokens", 256)),
-        stop_token_ids=list(body.get("stop_token_ids") or []),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        seed=body.get("seed"),
+        n=body["n"],
+        temperature=float(body["temperature"]),
+        top_p=float(body["top_p"]),
+        top_k=top_k,
+        max_tokens=body["max_tokens"],
+        stop_token_ids=body["stop_token_ids"] or [],
+        ignore_eos=body["ignore_eos"],
+        seed=body["seed"],
         logprobs=0,  # the sampled token's own log-prob
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
@@ -97,13 +106,14 @@ def make_router(state: EngineState):
 
     @router.post("/generate")
     async def generate(request: Request):
-        body = await request.json()
+        body = await _body(request, request_body.GENERATE)
+        refused = _vllm_client_errors()
         try:
-            params = _sampling_params(body, state.cfg)
-        except ValueError as exc:
-            raise HTTPException(status_code=400, detail=str(exc)) from None
-        input_ids = [int(t) for t in body["input_ids"]]
-        request_id = str(body.get("request_id") or uuid.uuid4().hex)
+            params = _sampling_params(body, _checked(lambda: checked_top_k(body, state.cfg)))
+        except refused as exc:
+            raise _refused_by_vllm(exc) from None
+        input_ids = body["input_ids"]
+        request_id = body["request_id"] or uuid.uuid4().hex
         samples = [
             {"output_ids": [], "logprobs": [], "versions": [], "finish_reason": None, "spec": None}
             for _ in range(params.n)
@@ -128,16 +138,19 @@ def make_router(state: EngineState):
         except asyncio.CancelledError:
             await state.engine.abort(request_id)
             raise
+        except refused as exc:  # e.g. a prompt longer than max_model_len: the same on any engine
+            raise _refused_by_vllm(exc) from None
         return {"request_id": request_id, "prompt_len": len(input_ids), "samples": samples}
 
     @router.post("/pause")
     async def pause(request: Request):
-        body = await _json_or_empty(request)
-        await state.engine.pause_generation(mode=body.get("mode", "keep"), clear_cache=False)
+        body = await _body(request, request_body.PAUSE)
+        await state.engine.pause_generation(mode=body["mode"], clear_cache=False)
         return {"paused": True}
 
     @router.post("/resume")
-    async def resume():
+    async def resume(request: Request):
+        await _body(request, request_body.NOTHING)
         await state.engine.resume_generation()
         return {"paused": False}
 
@@ -155,13 +168,10 @@ def make_router(state: EngineState):
 
     @router.post("/spec_k")
     async def set_spec_k(request: Request):
-        body = await request.json()
-        k_max = state.cfg.spec.num_speculative_tokens
         if not state.cfg.spec.adaptive or state.spec_k_file is None:
             raise HTTPException(status_code=400, detail="this engine was not started with spec.adaptive")
-        k = body.get("k")
-        if not isinstance(k, int) or not 0 <= k <= k_max:
-            raise HTTPException(status_code=400, detail=f"k must be an integer in [0, {k_max}]; got {k!r}")
+        body = await _body(request, request_body.spec_k_fields(state.cfg.spec.num_speculative_tokens))
+        k = body["k"]
         spec_k.write_k(state.spec_k_file, k)
         state.spec_k = k
         return {"k": k}
@@ -176,6 +186,7 @@ def make_router(state: EngineState):
 
     @router.post("/update_weights/begin")
     async def begin(request: Request):
+        await _body(request, request_body.NOTHING)
         async with state.lock:
             if state.updating:
                 raise HTTPException(status_code=409, detail="a weight update is already in progress")
@@ -187,7 +198,10 @@ def make_router(state: EngineState):
 
     @router.post("/update_weights/bucket")
     async def bucket(request: Request, target: str = "policy"):
+        _checked(lambda: request_body.validate({"target": target}, request_body.TARGET))
         payload = await request.body()
+        if not payload:
+            raise HTTPException(status_code=400, detail="body must hold one bucket of weights; got 0 bytes")
         async with state.lock:
             if not state.updating:
                 raise HTTPException(status_code=409, detail="call /areal/update_weights/begin first")
@@ -199,7 +213,7 @@ def make_router(state: EngineState):
 
     @router.post("/update_weights/commit")
     async def commit(request: Request):
-        body = await _json_or_empty(request)
+        body = await _body(request, request_body.COMMIT)
         async with state.lock:
             if not state.updating:
                 raise HTTPException(status_code=409, detail="no weight update in progress")
@@ -213,7 +227,7 @@ def make_router(state: EngineState):
                 raise HTTPException(
                     status_code=500, detail=f"weight update failed: {state.failed_update}"
                 ) from exc
-            state.version = int(body.get("version", state.version + 1))
+            state.version = state.version + 1 if body["version"] is None else body["version"]
             state.updating = False
             await state.engine.resume_generation()
             seconds = time.perf_counter() - state.update_started
@@ -221,16 +235,16 @@ def make_router(state: EngineState):
 
     @router.post("/update_weights/collective/init")
     async def collective_init(request: Request):
+        body = await _body(request, request_body.COLLECTIVE_INIT)
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        body = await request.json()
         await state.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=body["init_info"]))
         return {"ok": True}
 
     @router.post("/update_weights/collective/start")
     async def collective_start(request: Request):
-        body = await _json_or_empty(request)
-        if body.get("target", "policy") == "draft":
+        body = await _body(request, request_body.TARGET)
+        if body["target"] == "draft":
             await state.engine.start_draft_weight_update()
         else:
             await state.engine.start_weight_update()
@@ -238,27 +252,53 @@ def make_router(state: EngineState):
 
     @router.post("/update_weights/collective/chunk")
     async def collective_chunk(request: Request):
+        body = await _body(request, request_body.COLLECTIVE_CHUNK)
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        body = await request.json()
         await state.engine.update_weights(WeightTransferUpdateRequest(update_info=body["update_info"]))
         return {"ok": True}
 
     @router.post("/update_weights/collective/finish")
-    async def collective_finish():
+    async def collective_finish(request: Request):
+        await _body(request, request_body.NOTHING)
         await state.engine.finish_weight_update()
         return {"ok": True}
 
     @router.post("/debug/param_sums")
     async def param_sums(target: str = "policy"):
+        _checked(lambda: request_body.validate({"target": target}, request_body.TARGET))
         return JSONResponse((await state.rpc("areal_param_sums", target))[0])
 
     return router
 
 
-async def _json_or_empty(request) -> dict:
+def _vllm_client_errors() -> tuple[type[BaseException], ...]:
+    """vLLM's errors for requests it refuses (the caller's fault: 400, so the client does not
+    retry them on another engine); none where vLLM is absent (the route tests) or predates them."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return ()
+    return (VLLMClientError,)
+
+
+def _refused_by_vllm(exc: BaseException) -> HTTPException:
+    field = getattr(exc, "parameter", None) or "request"
+    return HTTPException(status_code=400, detail=f"{field} refused by vLLM: {exc}")
+
+
+def _checked(check):
+    """``check()``'s result; a ``BodyError`` it raises answers 400 with the field's sentence."""
+    try:
+        return check()
+    except request_body.BodyError as exc:
+        raise HTTPException(status_code=400, detail=str(exc)) from None
+
+
+async def _body(request: Request, fields: dict[str, request_body.Field]) -> dict[str, Any]:
+    """The request's JSON body checked against ``fields`` (empty means ``{}``), or 400."""
     raw = await request.body()
-    return json.loads(raw) if raw else {}
+    return _checked(lambda: request_body.parse(raw, fields))
 
 
 async def serve(cfg: RolloutConfig, port: int) -> None:
@@ -309,31 +349,6 @@ async def serve(cfg: RolloutConfig, port: int) -> None:
             import shutil
 
             shutil.rmtree(Path(os.environ[spec_k.ENV_FILE]).parent, ignore_errors=True)
-
-
-def die_with_parent(poll_s: float = 1.0) -> None:
-    """End this engine's whole process group when the process that launched it dies.
-
-    The launcher starts each engine in a session of its own (so a signal to the trainer's group
-    does not hit vLLM mid-update); without this a SIGKILLed trainer would leave the engine and
-    vLLM's workers running. A watchdog thread polls ``getppid`` (re-parenting means the launcher
-    is gone). Not PR_SET_PDEATHSIG: it fires when the launching *thread* exits, and engines are
-    restarted from worker threads.
-    """
-    import signal
-    import threading
-    import time
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
-    if os.getppid() != parent:  # the parent died before we got here
-        os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,9 +3,12 @@
 Layout of ``<root>/step_<N>/``: a Hugging Face checkpoint (``config.json``, ``model.safetensors``
 with the ``mtp.*`` weights, the tokenizer) that vLLM and transformers load as is, plus
 ``optim.pt`` (full optimizer state), ``trainer_state.json`` (version, scheduler, the caller's
-state such as the data position) and ``rng_rank<r>.pt``. Everything is written into a temporary
-directory that is renamed into place only when complete; ``<root>/latest`` is then replaced
-atomically. A crash at any point leaves the previous checkpoint intact and ``latest`` pointing at it.
+state such as the data position), ``rng_rank<r>.pt`` and, written last, ``manifest.json`` (every
+file's size and SHA-256; see ``manifest.py``). Everything is written into a temporary directory
+that is renamed into place only when complete; ``<root>/latest`` is then replaced atomically. A
+crash at any point leaves the previous checkpoint intact and ``latest`` pointing at it; damage
+that happens later (lost page cache, a full disk) is caught by the manifest on resume
+(``checkpoint_to_resume``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import random
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from areal_npu.config import ConfigError
+from areal_npu.train.manifest import MANIFEST, checkpoint_problems, write_manifest
 
 LATEST = "latest"
 
@@ -60,6 +67,37 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         return None
     path = Path(root) / marker.read_text().strip()
     return path if path.is_dir() else None
+
+
+def _step(path: Path) -> int:
+    return int(path.name.split("_")[1])
+
+
+def checkpoint_to_resume(root: str | Path, warn: Callable[[str], None]) -> Path:
+    """The checkpoint ``--resume`` continues from: the one ``latest`` names when it is intact, else
+    the newest intact ``step_N`` (each one skipped is reported through ``warn``). Raises
+    ``ConfigError`` (exit 2) naming the broken files when no checkpoint is intact."""
+    root = Path(root)
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=_step)
+    latest = latest_checkpoint(root)
+    candidates = ([latest] if latest is not None else []) + [p for p in reversed(steps) if p != latest]
+    if not candidates:
+        raise ConfigError("--resume", f"no checkpoint under {root} to resume from")
+    broken = []
+    for path in candidates:
+        problems = checkpoint_problems(path)
+        if not problems:
+            if broken:
+                warn(
+                    f"resuming from {path.name}, the newest intact checkpoint; skipped: " + "; ".join(broken)
+                )
+            if not (path / MANIFEST).is_file():
+                warn(
+                    f"{path} has no {MANIFEST} (written by an older areal-npu): only its structure was checked"
+                )
+            return path
+        broken.append("; ".join(problems))
+    raise ConfigError("--resume", f"no intact checkpoint under {root}: " + "; ".join(broken))
 
 
 def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
@@ -107,15 +145,14 @@ def save_checkpoint(
         torch.save(optim, tmp / "optim.pt")
         state = {"version": engine.version, "scheduler": engine.scheduler.state_dict(), "extra": extra or {}}
         _write_atomic(tmp / "trainer_state.json", json.dumps(state, indent=2, default=str))
-    _barrier()
+    _barrier()  # every rank's files are in place: the manifest describes them all
     final = root / name
     if rank == 0:
+        write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _write_atomic(root / LATEST, name)
-        steps = sorted(
-            (p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1])
-        )
+        steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=_step)
         for old in steps[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()

@@ -1,4 +1,7 @@
-"""An engine process never outlives the trainer that launched it, even after SIGKILL."""
+"""An engine process never outlives the trainer that launched it, even after SIGKILL.
+
+The watchdog lives in ``parent_watch`` (standard library only), so this test needs no vLLM; the
+engine process ``server.main`` starts it first thing (checked below without starting vLLM)."""
 
 import os
 import signal
@@ -7,11 +10,14 @@ import sys
 import textwrap
 
 import psutil
+import pytest
 
 GRANDCHILD = textwrap.dedent(
     """
     import subprocess, sys, time
-    from areal_npu.rollout.server import die_with_parent
+    # the watchdog must not need the server's dependencies: the test runs where they are missing
+    sys.modules.update(fastapi=None, vllm=None, uvloop=None)
+    from areal_npu.rollout.parent_watch import die_with_parent
     die_with_parent(poll_s=0.1)
     # a worker of the engine, in the engine's process group (like vLLM's engine core)
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -42,3 +48,16 @@ def test_engine_group_dies_when_launcher_is_killed():
     launcher.wait(10)
     _, alive = psutil.wait_procs(group, timeout=20)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_server_main_starts_the_watchdog_first(monkeypatch):
+    """``server.main`` arms the watchdog before it parses anything (a bad config must not leave an
+    engine that outlives its launcher)."""
+    pytest.importorskip("fastapi")
+    from areal_npu.rollout import server
+
+    armed = []
+    monkeypatch.setattr(server, "die_with_parent", lambda: armed.append(True))
+    with pytest.raises(SystemExit):
+        server.main(["--port", "1"])  # --config missing: argparse exits
+    assert armed == [True]

@@ -13,6 +13,7 @@ from areal_npu.algo.ppo import PPOConfig
 from areal_npu.data.packing import PackingConfig
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig, build_tiny_model
+from areal_npu.platform import current_platform
 from areal_npu.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from areal_npu.train.dist import init_distributed
 from areal_npu.train.engine import FSDPEngine, TrainEngineConfig
@@ -92,11 +93,29 @@ def naive_decoupled_loss(model, samples, eps=0.2):
 
 
 def full_grads(engine):
+    """The engine's gradients in float64 on the CPU, where the references live (whatever the device)."""
     return {
-        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).double()
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).double().cpu()
         for n, p in engine.module.named_parameters()
         if p.grad is not None
     }
+
+
+def float32_grad_tolerance(device: torch.device) -> dict:
+    """How far the engine's float32 gradients may be from the float64 unpacked reference.
+
+    CPU: the sums differ from the reference only in grouping; measured error <= 3e-7 against
+    max |grad| ~ 0.35 on these gradients, so rtol=1e-4, atol=1e-6 is strict and stays so.
+    CUDA: the embedding backward adds the rows of repeated tokens with atomicAdd in no fixed order,
+    cuBLAS and SDPA split their reductions differently, and TF32 (off by PyTorch's default, but one
+    ``torch.backends.cuda.matmul.allow_tf32 = True`` away) rounds matmul inputs to 10 mantissa
+    bits; ``embed_tokens`` rows whose terms nearly cancel went past atol=1e-6 on an H200. The CUDA
+    bound is the one of the GPU test (tests/train/test_engine_cuda.py): rtol=1e-3, atol=1e-5. It
+    still catches packing bugs: dropping one loss token moves these gradients by 2e-2 to 2e-1.
+    """
+    if device.type == "cpu":
+        return {"rtol": 1e-4, "atol": 1e-6}
+    return {"rtol": 1e-3, "atol": 1e-5}
 
 
 def test_logprobs_loss_and_grads_match_unpacked_reference():
@@ -115,8 +134,9 @@ def test_logprobs_loss_and_grads_match_unpacked_reference():
     loss.backward()
     assert stats["ppo/loss"] == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
     grads = full_grads(engine)
+    tolerance = float32_grad_tolerance(engine.device)
     for name, param in reference.named_parameters():
-        torch.testing.assert_close(grads["lm." + name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads["lm." + name], param.grad, **tolerance, msg=name)
     assert stats["ppo/behave_imp_weight/mean"] > 0 and stats["ppo/version_lag/max"] == 0
 
 
@@ -172,7 +192,14 @@ def _two_rank_worker(rank, path, samples, init_file):
         torch.save({"loss": stats["ppo/loss"], "grads": grads, "weights": weights}, path)
 
 
+def _two_ranks_fit() -> bool:
+    # each rank takes a device of its own (nccl/hccl refuse two ranks on one); gloo runs on the CPU
+    plat = current_platform()
+    return plat.device_type == "cpu" or plat.device_count() >= 2
+
+
 @pytest.mark.distributed
+@pytest.mark.skipif(not _two_ranks_fit(), reason="two ranks need two accelerators on this machine")
 def test_two_gloo_ranks_equal_one_process(tmp_path):
     samples = make_samples(6)
     mp.start_processes(
