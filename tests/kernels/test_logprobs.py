@@ -122,3 +122,34 @@ def test_argument_checks():
         chunked_logprobs(hidden, weight, targets, chunk_size=0)
     with pytest.raises(ValueError, match="disagree"):
         chunked_logprobs(hidden, weight, targets[:3])
+
+
+def test_bfloat16_logits_are_not_rounded_before_the_softmax():
+    """bf16 inputs: log-probs equal the float64 computation on the same bf16 values to float32
+    accuracy. Rounding the logits to bf16 first (a bf16 GEMM, then .float()) is off by ~1e-2 here."""
+    hidden, weight, targets = make(64, 32, 300, seed=7)
+    hidden, weight = hidden.bfloat16(), (weight * 2).bfloat16()
+    exact_lp, exact_ent = naive_logprobs_entropy(hidden.double(), weight.double(), targets)
+    rounded = torch.log_softmax((hidden @ weight.t()).double(), -1).gather(-1, targets[:, None])[:, 0]
+    assert (rounded - exact_lp).abs().max() > 1e-3  # the error this test is about is visible here
+    for lp, ent in (
+        chunked_logprobs_entropy(hidden, weight, targets, chunk_size=16),
+        naive_logprobs_entropy(hidden, weight, targets),  # the oracle itself computes in float32
+    ):
+        torch.testing.assert_close(lp.double(), exact_lp, rtol=0, atol=1e-4)
+        torch.testing.assert_close(ent.double(), exact_ent, rtol=0, atol=1e-4)
+
+
+def test_fused_pointwise_matches_eager_on_this_device():
+    """``fused=True`` (torch.compile of the per-chunk work) computes the same values and gradients."""
+    hidden, weight, targets = make(37, 8, 50, seed=9, ignore_every=4)
+    c = torch.linspace(-1, 1, 37)
+
+    def run(fused):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = chunked_logprobs_entropy(h, w, targets, temperature=0.7, chunk_size=10, fused=fused)
+        (lp * c + ent * c.flip(0)).sum().backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
