@@ -1,11 +1,13 @@
 """transformers patches for packed (THD) training.
 
-Why (transformers 5.19, checked 2026-11): the Gated DeltaNet layers of hybrid Qwen3.5 / Qwen3.5-MoE /
+Why (transformers 5.9 to 5.19, checked 2026-11; before 5.9 the decoder layer does not even hand
+``cu_seq_lens_q`` to the Gated DeltaNet, hence pyproject's lower bound; 5.24 raises there
+instead of leaking): the Gated DeltaNet layers of hybrid Qwen3.5 / Qwen3.5-MoE /
 Qwen3-Next models forward ``cu_seq_lens_q`` to ``causal_conv1d_fn`` and ``chunk_gated_delta_rule``,
 but only the optional CUDA kernels (causal-conv1d, flash-linear-attention) read it. The pure
 PyTorch fallbacks -- the path on CPU and on Ascend -- swallow it in ``**kwargs``: the depthwise
 conv window and the recurrent state run straight across segment boundaries, so a packed sequence
-sees the one before it (invariant 3 of docs/DESIGN.md broken).
+sees the one before it (and packed segments must never see each other).
 
 The patch wraps each such layer's ``forward``: when ``cu_seq_lens_q`` is given, there is no cache
 and the batch is one packed row, the original forward runs once per segment (state starts at zero
@@ -15,6 +17,13 @@ which is fine for training micro-batches (tens of segments); a fused varlen kern
 
 ``tests/compat/test_transformers.py`` fails when upstream's torch path starts honouring
 ``cu_seq_lens_q`` (then delete this patch).
+
+Position ids alone (no ``cu_seq_lens_q``; e.g. ``DataCollatorWithFlattening`` without
+``return_flash_attn_kwargs``) mark segments for the attention layers, but never reach the Gated
+DeltaNet: the decoder layer hands it only ``**kwargs``, not ``position_ids``. So
+:func:`segment_by_position_ids` hooks a model's decoder stacks that hold linear-attention layers
+and turns position ids restarting at 0 into ``cu_seq_lens_q/k`` before the layers run; every layer
+type then sees the same segments. A forward pre-hook on the given model only, not a class patch.
 """
 
 from __future__ import annotations
@@ -24,7 +33,12 @@ import importlib
 
 import torch
 
-__all__ = ["LINEAR_ATTENTION_CLASSES", "patch_linear_attention_for_packing", "unpatched_forward"]
+__all__ = [
+    "LINEAR_ATTENTION_CLASSES",
+    "patch_linear_attention_for_packing",
+    "segment_by_position_ids",
+    "unpatched_forward",
+]
 
 # (module, class) of linear-attention layers whose torch path ignores cu_seq_lens_q.
 LINEAR_ATTENTION_CLASSES = (
@@ -89,3 +103,57 @@ def patch_linear_attention_for_packing() -> list[str]:
 def unpatched_forward(cls: type):
     """The class's forward as upstream wrote it (for tests and for undoing the patch)."""
     return getattr(cls.forward, _ORIGINAL, cls.forward)
+
+
+_HOOKED = "_areal_npu_segments_from_position_ids"
+
+
+def _segments_from_position_ids(module, args, kwargs):
+    """Forward pre-hook: ``position_ids`` restarting at 0 in a one-row batch -> ``cu_seq_lens_q/k``."""
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("attention_mask") is not None:
+        return None  # explicit boundaries, or a padding mask that defines the rows itself
+    if kwargs.get("past_key_values") is not None:
+        return None  # decoding continues one sequence
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        return None
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        position_ids = position_ids[0]  # Qwen3.5's [text; temporal; height; width] layout: row 0 is text
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None  # a batch of several rows: each row is one sequence
+    from areal_npu.data.packed_layout import cu_seqlens_from_position_ids
+
+    cu = cu_seqlens_from_position_ids(position_ids)
+    if cu.numel() <= 2:
+        return None  # one segment: nothing to split
+    longest = int((cu[1:] - cu[:-1]).max())
+    kwargs = {
+        **kwargs,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
+    if kwargs.get("use_cache") is None:
+        # The config's default cache cannot continue a row of several sequences; an explicit
+        # use_cache=True still reaches the Gated DeltaNet wrapper, which refuses it.
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def segment_by_position_ids(model: torch.nn.Module) -> int:
+    """Hook every decoder stack of ``model`` that holds linear-attention layers (a ``layers`` list
+    with a ``linear_attn`` member) so position ids alone segment them; returns how many it hooked.
+    Idempotent. Pass ``position_ids`` as a keyword (transformers' own callers do)."""
+    hooked = 0
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            continue
+        if not any(hasattr(layer, "linear_attn") for layer in layers):
+            continue
+        if not getattr(module, _HOOKED, False):
+            module.register_forward_pre_hook(_segments_from_position_ids, with_kwargs=True)
+            setattr(module, _HOOKED, True)
+        hooked += 1
+    return hooked

@@ -9,22 +9,29 @@ Depth d (1-based) at packed index t, exactly what vLLM's ``Qwen3_5MTP`` drafter 
 (``vllm/v1/spec_decode/llm_base_proposer.py``) compute:
 
     x_t^(d) = fc([ pre_fc_norm_embedding(E[ids_{t+d}]) ; pre_fc_norm_hidden(h_t^(d-1)) ])
-    h_t^(d) = norm(layer_{(d-1) mod n}(x^(d), positions = pos_t + d - 1))_t
+    h_t^(d) = norm(layers[0](x^(d), positions = pos_t + d - 1))_t
     logits_t^(d) = W h_t^(d)   ->  predicts ids_{t+1+d}
 
 ``h^(0)`` is the backbone's last hidden state *after* its final norm (transformers'
 ``last_hidden_state``; vLLM's ``Qwen3_5Model.forward`` returns the same). Deeper steps feed the
 previous depth's output, post ``mtp.norm`` (the proposer passes the drafter's returned hidden
-states), at position ``+1`` per step. vLLM 0.32 calls the drafter without ``spec_step_idx``, so with
-one MTP layer (every released Qwen3.5/3.6) all depths reuse ``layers.0``; ``(d-1) mod n`` equals
-that for n = 1.
+states), at position ``+1`` per step.
+
+Every depth runs ``layers.0``, whatever ``n = mtp_num_hidden_layers`` is, because that is what vLLM
+0.32 serves: its ``Qwen3_5MultiTokenPredictor.forward`` would pick ``layers[spec_step_idx % n]``, but
+the drafter it is wrapped in (``Qwen3_5MTP.forward``) calls it without ``spec_step_idx`` (and the
+proposer passes none), so the index is always 0 (:func:`vllm_draft_layer_index`; checked against
+vLLM's module in ``tests/model/test_mtp_vllm_layer.py``). Layers ``1..n-1`` of a checkpoint that has
+them are kept and saved but never trained or synced (:meth:`Qwen35MTP.named_drafting_parameters`),
+and a new head with more than one layer is refused (``num_layers``). Every released Qwen3.5/3.6
+has n = 1.
 
 Training runs each depth over the whole packed row with causal attention *inside that depth*. At
 d = 1 this is vLLM's computation exactly. At d >= 2 vLLM's draft attends to depth-1 keys for the
 prefix and to its own chain for the last d-1 positions; training's keys are all depth-d. That is the
 usual MTP/EAGLE training approximation (Megatron and DeepSeek-V3 train the same way).
 
-Gradient isolation (DESIGN invariant 4): :meth:`Qwen35MTP.forward` takes ``h^(0)`` and ``E``
+Gradient isolation (the MTP loss never trains what it reads): :meth:`Qwen35MTP.forward` takes ``h^(0)`` and ``E``
 detached, and :func:`mtp_logits` takes ``W`` detached, so backbone, embedding and output head get
 no gradient from the MTP loss. Between depths the graph is kept: the depth-d loss reaches the
 blocks of depths < d.
@@ -49,6 +56,7 @@ __all__ = [
     "mtp_layer_config",
     "mtp_logits",
     "mtp_state_dict",
+    "vllm_draft_layer_index",
 ]
 
 MTP_PREFIX = "mtp."
@@ -74,7 +82,7 @@ class MTPConfig:
     train: bool = True
     mtp_only: bool = False
     init_new_head: bool = False  # allow a checkpoint without mtp.* weights: random-initialise the head
-    num_layers: int = 0  # mtp_num_hidden_layers for a new head; 0: the checkpoint's config (else 1)
+    num_layers: int = 0  # mtp_num_hidden_layers for a new head: 0 (the checkpoint's config, else 1) or 1
     init_std: float = 0.0  # new-head init std; 0: the model's initializer_range
     lr_scale: float = 1.0  # the head's learning rate relative to the policy's (joint mode)
 
@@ -89,10 +97,33 @@ class MTPConfig:
             raise ValueError("mtp_only needs enabled=true")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.num_layers > 1:
+            raise ValueError(
+                f"num_layers={self.num_layers}: vLLM 0.32 drafts every depth with mtp.layers.0, so "
+                "layers 1.. would never draft; use num_layers=1 (or 0: the checkpoint's)"
+            )
         if self.init_std < 0:
             raise ValueError(f"init_std must be >= 0, got {self.init_std}")
         if not (math.isfinite(self.lr_scale) and self.lr_scale > 0):
             raise ValueError(f"lr_scale must be > 0, got {self.lr_scale}")
+
+
+def vllm_draft_layer_index(depth: int, num_layers: int) -> int:
+    """The ``mtp.layers`` block vLLM 0.32 drafts depth ``depth`` (1-based) with: always 0.
+
+    vLLM's predictor selects ``layers[spec_step_idx % num_layers]``, but ``Qwen3_5MTP.forward``
+    (the module the proposer calls) drops ``spec_step_idx``, so the index is ``0 % num_layers``.
+    """
+    if depth < 1 or num_layers < 1:
+        raise ValueError(f"depth and num_layers must be >= 1, got {depth}, {num_layers}")
+    return 0
+
+
+def rotary_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` -> ``[3, B, T]``: Qwen3.5's rotary embedding takes the mrope layout (temporal,
+    height, width); a text token has the same position in all three. transformers 5.17 and 5.18
+    index ``position_ids[:, :, None, :]`` and reject 2-D ids; the 3-D layout works in every version."""
+    return position_ids[None].expand(3, *position_ids.shape)
 
 
 def _text_classes():
@@ -168,12 +199,21 @@ class Qwen35MTP(nn.Module):
         x = self.fc(
             torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
         )
-        position_embeddings = self.rotary_emb(x, position_ids)
-        layer = self.layers[(depth - 1) % self.num_layers]
+        position_embeddings = self.rotary_emb(x, rotary_position_ids(position_ids))
+        layer = self.layers[vllm_draft_layer_index(depth, self.num_layers)]
         x = layer(x, position_embeddings=position_embeddings, position_ids=position_ids, **attention_kwargs)
         if isinstance(x, tuple):
             x = x[0]
         return self.norm(x)
+
+    def named_drafting_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters vLLM drafts with (all but ``layers.1..``): the ones worth training and syncing."""
+        drafted = f"layers.{vllm_draft_layer_index(1, self.num_layers)}."
+        return [
+            (name, p)
+            for name, p in self.named_parameters()
+            if not name.startswith("layers.") or name.startswith(drafted)
+        ]
 
     def forward(
         self,

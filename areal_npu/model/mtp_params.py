@@ -8,6 +8,8 @@
 | `mtp_only` | frozen                   | trainable                 | mtp.*                |
 
 The embedding and output head are policy parameters in every mode: the MTP path uses them detached.
+"mtp.* params" are the ones vLLM drafts with (:meth:`Qwen35MTP.named_drafting_parameters`): extra
+layers of a multi-layer checkpoint head are never used by vLLM, so they neither train nor sync.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def mtp_param_groups(model: torch.nn.Module, mtp: Qwen35MTP | None, cfg: MTPConf
     if mode != "mtp_only":
         groups.policy = _unique_named(model)
     if mode in ("joint", "mtp_only"):
-        groups.mtp = _unique_named(mtp, MTP_PREFIX)
+        groups.mtp = [(MTP_PREFIX + n, p) for n, p in mtp.named_drafting_parameters()]
     return groups
 
 
@@ -90,6 +92,8 @@ def weight_sync_names(model: torch.nn.Module, mtp: Qwen35MTP | None, cfg: MTPCon
     mode = mtp_mode(cfg)
     policy = [] if mode == "mtp_only" else list(model.state_dict().keys())
     head = (
-        [MTP_PREFIX + n for n, _ in mtp.named_parameters()] if mode in ("joint", "mtp_only") and mtp else []
+        [MTP_PREFIX + n for n, _ in mtp.named_drafting_parameters()]
+        if mode in ("joint", "mtp_only") and mtp
+        else []
     )
     return {"policy": policy, "mtp": head}

@@ -3,8 +3,9 @@
 :func:`enable_packed_attention` registers :func:`hf_packed_attention` with transformers'
 ``AttentionInterface`` under :data:`ATTN_IMPLEMENTATION` (its mask creation is transformers' FA2 one:
 ``None`` for causal / packed input, a 2-D padding mask otherwise) and switches the model to it; on
-hybrid Qwen3.5 models it also makes the Gated DeltaNet layers restart at segment boundaries
-(:mod:`areal_npu.compat.transformers`). A packed micro-batch then runs as a batch of one row:
+hybrid Qwen3.5 models it also makes the Gated DeltaNet layers restart at segment boundaries, given
+either ``cu_seq_lens_q`` or position ids alone (:mod:`areal_npu.compat.transformers`). A packed
+micro-batch then runs as a batch of one row:
 
     model(**packed_forward_kwargs(batch))  # input_ids/position_ids [1, T], cu_seq_lens_q/k, max_length_q/k, use_cache=False
 
@@ -49,12 +50,13 @@ def hf_packed_attention(
 
     Segments come from ``cu_seq_lens_q`` when given, else from ``position_ids`` restarting at 0
     (batch of one row), else each row is one sequence; a 2-D padding mask removes padded tokens
-    first (flash-attention style unpadding). Training and full prefill only: no KV cache.
+    first (flash-attention style unpadding). Training and full prefill only: no KV cache. A sliding
+    window is accepted when it covers every segment (then it is causal attention), else refused.
     """
     if dropout:
         raise NotImplementedError("packed attention has no attention dropout; set attention_dropout=0")
-    if sliding_window is not None or softcap is not None:
-        raise NotImplementedError("packed attention supports neither sliding windows nor logit softcapping")
+    if softcap is not None:
+        raise NotImplementedError("packed attention has no logit softcapping")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise NotImplementedError("packed attention is causal only")
     batch, _, seq, _ = query.shape
@@ -81,12 +83,33 @@ def hf_packed_attention(
         cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
     elif batch != 1:
         raise ValueError(f"cu_seq_lens_q needs the packed batch as one row, got batch size {batch}")
+    if sliding_window is not None:
+        _check_window_covers_segments(sliding_window, cu, kwargs.get("max_length_q"))
     out = packed_attention(q, k, v, cu.to(q.device), max_seqlen=kwargs.get("max_length_q"), scale=scaling)
     if keep is not None:
         full = out.new_zeros(batch * seq, *out.shape[1:])
         full[keep] = out
         out = full
     return out.reshape(batch, seq, *out.shape[1:]), None
+
+
+def _check_window_covers_segments(window: int, cu: torch.Tensor, max_length: int | None) -> None:
+    """Accept a sliding window only where it changes nothing.
+
+    transformers' window (``masking_utils.sliding_window_overlay``) lets query ``q`` see key ``k``
+    when ``q - k < window``, i.e. ``window`` tokens including itself (flash-attention's
+    ``window_size=(window - 1, ...)``). In a segment of length ``L`` the largest distance is
+    ``L - 1``, so the window is plain causal attention exactly when ``L <= window``.
+    """
+    if max_length is not None and max_length <= window:
+        return  # max_length_q bounds every segment: no host sync needed
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    if longest > window:
+        raise NotImplementedError(
+            f"packed attention has no sliding window: sliding_window={window} is shorter than the "
+            f"longest packed segment ({longest} tokens), so the window would mask keys; pack sequences "
+            f"of at most {window} tokens or use an attention implementation with windows"
+        )
 
 
 def register_packed_attention() -> str:
@@ -102,11 +125,12 @@ def register_packed_attention() -> str:
 def enable_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
     """Switch ``model`` (any HF causal LM) to packed attention, and make linear-attention layers
     (Qwen3.5 Gated DeltaNet) restart their conv and recurrent state at every segment boundary."""
-    from areal_npu.compat.transformers import patch_linear_attention_for_packing
+    from areal_npu.compat.transformers import patch_linear_attention_for_packing, segment_by_position_ids
 
     register_packed_attention()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     patch_linear_attention_for_packing()
+    segment_by_position_ids(model)
     return model
 
 

@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from areal_npu.data.packed_layout import pack_per_token, pack_sequences, unpack_per_token
-from areal_npu.model.mtp import MTPConfig, Qwen35MTP, init_mtp_weights, mtp_logits
+from areal_npu.model.mtp import (
+    MTPConfig,
+    Qwen35MTP,
+    init_mtp_weights,
+    mtp_logits,
+    rotary_position_ids,
+)
 from areal_npu.model.mtp_loss import joint_forward, mtp_loss
 from areal_npu.model.mtp_params import apply_mtp_mode, mtp_param_groups, weight_sync_names
 from areal_npu.model.mtp_targets import (
@@ -62,6 +68,7 @@ def response_masks(seqs, seed: int = 0):
         ({"enabled": True, "train": False, "mtp_only": True}, "mtp_only"),
         ({"mtp_only": True}, "mtp_only"),
         ({"num_layers": -1}, "num_layers"),
+        ({"num_layers": 2}, "num_layers"),  # vLLM would never draft with layers.1
         ({"lr_scale": 0.0}, "lr_scale"),
     ],
 )
@@ -142,10 +149,45 @@ def zc_rms(x, w, eps):
     return (1.0 + w) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def rope(config, positions):
+    """Plain RoPE cos/sin, written out: theta_i = base^(-2i/dim) over the rotary part of the head
+    (text tokens carry the same position on all three mrope axes, so mrope reduces to this)."""
+    rope_params = config.rope_parameters
+    head_dim = config.head_dim
+    dim = int(head_dim * rope_params.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (rope_params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = positions[..., None].double() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def test_mtp_rotary_is_plain_rope_at_the_shifted_positions():
+    """The head hands Qwen3.5's rotary the 3-D mrope layout (transformers 5.17/5.18 reject 2-D ids);
+    on text positions that is plain RoPE, and bit-identical to 2-D ids where those are accepted."""
+    _, mtp = tiny()
+    pos = torch.tensor([[0, 1, 2, 0, 1, 5, 6]]) + 2
+    x = torch.zeros(1, 7, 64)
+    cos, sin = mtp.rotary_emb(x, rotary_position_ids(pos))
+    ref_cos, ref_sin = rope(mtp.config, pos)
+    torch.testing.assert_close(cos, ref_cos, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sin, ref_sin, rtol=1e-5, atol=1e-6)
+    try:
+        cos2, sin2 = mtp.rotary_emb(x, pos)
+    except IndexError:  # transformers 5.17 / 5.18
+        return
+    assert torch.equal(cos, cos2) and torch.equal(sin, sin2)
+
+
+# vLLM 0.32 drafts every depth with mtp.layers.0 (tests/model/test_mtp_vllm_layer.py reads this
+# rule off vLLM's own module).
+VLLM_DRAFT_LAYER = 0
+
+
 @torch.no_grad()
 def reference_drafts(model, mtp, seq, depths):
     """vLLM's drafter on one sequence alone: h = post-norm last hidden state; depth d feeds
-    E[ids_{t+d}] and the previous depth's output at positions t + d - 1; logits via lm_head."""
+    E[ids_{t+d}] and the previous depth's output at positions t + d - 1 through layers.0;
+    logits via lm_head."""
     eps = mtp.config.rms_norm_eps
     n = len(seq)
     h = model.model(input_ids=seq[None], use_cache=False).last_hidden_state[0]
@@ -164,8 +206,8 @@ def reference_drafts(model, mtp, seq, depths):
             ).T
         )
         pos = torch.arange(n)[None] + (d - 1)
-        layer = mtp.layers[(d - 1) % mtp.num_layers]
-        y = layer(x.T[None], position_embeddings=mtp.rotary_emb(x.T[None], pos), position_ids=pos)
+        layer = mtp.layers[VLLM_DRAFT_LAYER]
+        y = layer(x.T[None], position_embeddings=rope(mtp.config, pos), position_ids=pos)
         h = zc_rms(y[0] if isinstance(y, tuple) else y, mtp.norm.weight, eps)[0]
         out.append(h @ W.T)
     return out
@@ -307,6 +349,25 @@ def test_param_groups_and_weight_sync_per_mode():
     assert weight_sync_names(model, mtp, MTPConfig(enabled=True, train=False))["mtp"] == []
     assert weight_sync_names(model, mtp, MTPConfig(enabled=True, mtp_only=True))["policy"] == []
     assert weight_sync_names(model, None, MTPConfig())["mtp"] == []
+
+
+def test_layers_vllm_never_drafts_with_neither_train_nor_sync():
+    """A 2-layer checkpoint head: vLLM drafts with layers.0 only, so layers.1 gets no gradient from
+    the MTP loss at any depth and is left out of the optimizer and the weight sync."""
+    model, mtp = tiny(linear_every=0, mtp_layers=2)
+    unused = {"mtp." + n for n, _ in mtp.layers[1].named_parameters(prefix="layers.1")}
+    groups = apply_mtp_mode(model, mtp, MTPConfig(enabled=True, num_depths=3))
+    names = {n for n, _ in groups.mtp}
+    assert unused and not names & unused
+    assert names | unused == {"mtp." + n for n, _ in mtp.named_parameters()}
+    assert not set(weight_sync_names(model, mtp, MTPConfig(enabled=True))["mtp"]) & unused
+    mtp.layers[1].requires_grad_(True)  # so a stray use of layers.1 would show up as a gradient
+    batch = pack_sequences(sequences(3), alignment=4)
+    targets = build_packed_mtp_targets(batch, 3)
+    out = joint_forward(model, mtp, targets, batch.input_ids, batch.position_ids, batch.cu_seqlens)
+    out.mtp_loss.backward()
+    assert all(p.grad is None for p in mtp.layers[1].parameters())
+    assert all(p.grad is not None for p in mtp.layers[0].parameters())
 
 
 def test_attaches_to_a_qwen3_model_with_isolation():

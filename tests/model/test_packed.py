@@ -128,6 +128,75 @@ def test_position_ids_alone_mark_the_segments():
         assert rel_err(packed, ref) <= 1e-5
 
 
+def test_position_ids_alone_segment_a_hybrid_model():
+    """Gated DeltaNet and attention layers both restart where position ids restart at 0, with no
+    cu_seq_lens given; the reference is the stock model (sdpa) on each sequence alone."""
+    torch.manual_seed(0)
+    model = tiny_qwen3_5().eval()
+    seqs = [torch.randint(0, VOCAB, (n,)) for n in (9, 14, 5)]
+    with torch.no_grad():
+        alone = [model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]
+        enable_packed_attention(model)
+        batch = pack_sequences(seqs)
+        logits = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None]).logits[0]
+    for j, (packed, ref) in enumerate(zip(unpack_per_token(logits, batch), alone)):
+        assert rel_err(packed, ref) <= 1e-5, f"sequence {j}"
+
+
+def tiny_qwen3_sliding(window: int | None):
+    """Qwen3 whose layers all use a sliding window of ``window`` tokens (None: full attention)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kind = "full_attention" if window is None else "sliding_attention"
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa",
+        use_sliding_window=window is not None, sliding_window=window, max_window_layers=0,
+        layer_types=[kind, kind],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("cu_kwargs", [True, False], ids=["cu_seqlens", "position_ids_only"])
+def test_sliding_window_covering_every_segment_is_causal_attention(cu_kwargs):
+    """transformers' window W shows a query its last W tokens (itself included); a segment of
+    length L <= W never reaches past it. Reference: the stock sdpa model, which applies the window,
+    on each sequence alone."""
+    seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
+    window = max(LENGTHS)
+    model = tiny_qwen3_sliding(window)
+    with torch.no_grad():
+        alone = [model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]
+        enable_packed_attention(model)
+        batch = pack_sequences(seqs)
+        if cu_kwargs:
+            logits = model(**packed_forward_kwargs(batch)).logits[0]
+        else:
+            logits = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None]).logits[0]
+    for j, (packed, ref) in enumerate(zip(unpack_per_token(logits, batch), alone)):
+        assert rel_err(packed, ref) <= 1e-5, f"sequence {j}"
+
+
+def test_sliding_window_shorter_than_a_segment_is_refused():
+    longest = max(LENGTHS)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
+    model = tiny_qwen3_sliding(longest - 1)
+    causal_model = tiny_qwen3_sliding(None)
+    causal_model.load_state_dict(model.state_dict())
+    longest_seq = seqs[LENGTHS.index(longest)][None]
+    with torch.no_grad():
+        windowed = model(input_ids=longest_seq, use_cache=False).logits[0]
+        causal = causal_model(input_ids=longest_seq, use_cache=False).logits[0]
+    # Guards the boundary: at W = L - 1 transformers' own window already masks a key.
+    assert rel_err(windowed, causal) > 1e-4
+    model = enable_packed_attention(model)
+    batch = pack_sequences(seqs)
+    with pytest.raises(NotImplementedError, match="sliding_window=26 is shorter than the longest"):
+        with torch.no_grad():
+            model(**packed_forward_kwargs(batch))
+
+
 def test_padding_mask_path_matches_sdpa():
     """A right- and left-padded batch with a 2-D mask: padded rows are dropped before attention."""
     torch.manual_seed(0)
