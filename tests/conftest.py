@@ -8,13 +8,34 @@ is appended to ``sys.path`` (children inherit the parent's ``sys.path``).
 """
 
 import atexit
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 _ROOT = Path(__file__).resolve().parents[1]
 _shim = Path(tempfile.mkdtemp(prefix="areal-npu-tests-"))
 (_shim / "tests").symlink_to(_ROOT / "tests", target_is_directory=True)
 sys.path.append(str(_shim))
 atexit.register(shutil.rmtree, _shim, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _platform_unchanged():
+    """A test that makes another device this process's platform (``platform.use_device`` writes
+    ``AREAL_NPU_DEVICE``) must not leave it so: on a GPU machine every later engine test would
+    then put its batches on the CPU while FSDP2 keeps the model on the GPU."""
+    before = os.environ.get("AREAL_NPU_DEVICE")
+    yield
+    if os.environ.get("AREAL_NPU_DEVICE") != before:
+        if before is None:
+            os.environ.pop("AREAL_NPU_DEVICE", None)
+        else:
+            os.environ["AREAL_NPU_DEVICE"] = before
+        from areal_npu.platform import current_platform
+
+        current_platform.cache_clear()
+        pytest.fail("the test changed AREAL_NPU_DEVICE and did not restore it", pytrace=False)

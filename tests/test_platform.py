@@ -166,7 +166,8 @@ def test_requested_device_that_disagrees_with_the_environment_is_refused():
 
 
 def test_use_device_makes_it_this_process_platform(monkeypatch):
-    monkeypatch.delenv("AREAL_NPU_DEVICE", raising=False)
+    monkeypatch.setenv("AREAL_NPU_DEVICE", "")  # records the original so that it is restored: use_device
+    monkeypatch.delenv("AREAL_NPU_DEVICE")  # writes os.environ itself, and delenv of an unset name records nothing
     plat.current_platform.cache_clear()
     try:
         assert plat.use_device("cpu").device_type == "cpu"
