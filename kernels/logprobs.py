@@ -66,6 +66,14 @@ def _has_f32_out_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     return _OUT_DTYPE_GEMM[key]
 
 
+def _gemm_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """The weight as every chunk's GEMM takes it: as is where a float32-output GEMM exists, else
+    upcast once per call (not once per chunk)."""
+    if dtype == torch.float32 and _has_f32_out_gemm(weight.device, weight.dtype):
+        return weight
+    return weight.to(dtype)
+
+
 def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """``a @ b`` accumulated and returned in ``dtype`` (>= float32), never rounded to a half type."""
     if dtype == torch.float32 and a.dtype == b.dtype and _has_f32_out_gemm(a.device, a.dtype):
@@ -91,15 +99,21 @@ def naive_logprobs_entropy(
     return logp, entropy
 
 
+# The two per-chunk functions take their logits buffer over (callers pass it without keeping a
+# reference), so in eager mode at most two [C, V] buffers are alive at once; in-place ops touch
+# only buffers made here, which torch.compile fuses exactly like their out-of-place forms.
+
+
 def _chunk_forward(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk's (logp, entropy, lse) from its logits [C, V] (targets < 0: logp 0)."""
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logprobs = logits - lse.unsqueeze(-1)
+    del logits
     picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     logp = torch.where(targets >= 0, picked, torch.zeros_like(picked))
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    entropy = -logprobs.exp().mul_(logprobs).sum(-1)
     return logp, entropy, lse
 
 
@@ -115,15 +129,16 @@ def _chunk_grad_logits(
 ) -> Tensor:
     """∂(Σ g_lp·logp + g_H·H)/∂(h·Wᵀ) for one chunk, in ``out_dtype``:
     (g_lp·onehot(y) − p·(g_lp + g_H·(log p + H))) / τ, with g_lp already 0 where y < 0."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = logits - lse.unsqueeze(-1)
+    logprobs = torch.add(-lse.unsqueeze(-1), logits, alpha=1.0 / temperature)  # z/τ − lse
+    del logits
     g_lp = grad_logp.unsqueeze(-1)
-    factor = grad_entropy.unsqueeze(-1) * (logprobs + entropy.unsqueeze(-1)) + g_lp
-    grad_z = -(logprobs.exp() * factor)
-    grad_z = grad_z.scatter_add(-1, targets.clamp(min=0).unsqueeze(-1), g_lp)
+    grad_z = logprobs.exp()
+    factor = logprobs.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(g_lp)
+    grad_z.mul_(factor).neg_()
+    del factor, logprobs
+    grad_z.scatter_add_(-1, targets.clamp(min=0).unsqueeze(-1), g_lp)
     if temperature != 1.0:
-        grad_z = grad_z / temperature
+        grad_z.div_(temperature)
     return grad_z.to(out_dtype)
 
 
@@ -153,14 +168,12 @@ class ChunkedLogProbs(torch.autograd.Function):
         entropy = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
         lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
         forward_chunk = _pointwise("forward", fused)
-        weight_t = weight.t()
+        weight_t = _gemm_weight(weight, dtype).t()
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            logits = _mm(hidden[start:end], weight_t, dtype)
             logp[start:end], entropy[start:end], lse[start:end] = forward_chunk(
-                logits, targets[start:end], temperature
+                _mm(hidden[start:end], weight_t, dtype), targets[start:end], temperature
             )
-            del logits
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         # An unused output then arrives as None in backward, and its term is skipped.
         ctx.set_materialize_grads(False)
@@ -189,13 +202,13 @@ class ChunkedLogProbs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_h else None
         # Accumulate the weight gradient in the compute dtype (>= float32) across chunks.
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        weight_t = weight.t()
+        gemm_weight = _gemm_weight(weight, dtype)
+        weight_t = gemm_weight.t()
         for start in range(0, num_tokens, ctx.chunk_size):
             end = min(start + ctx.chunk_size, num_tokens)
             h = hidden[start:end]
-            logits = _mm(h, weight_t, dtype)
             grad_z = grad_chunk(
-                logits,
+                _mm(h, weight_t, dtype),
                 targets[start:end],
                 lse[start:end],
                 entropy[start:end],
@@ -204,9 +217,8 @@ class ChunkedLogProbs(torch.autograd.Function):
                 ctx.temperature,
                 grad_dtype,
             )
-            del logits
             if need_h:
-                grad_hidden[start:end] = _mm(grad_z, weight, dtype).to(hidden.dtype)
+                grad_hidden[start:end] = _mm(grad_z, gemm_weight, dtype).to(hidden.dtype)
             if need_w:
                 grad_weight += _mm(grad_z.t(), h, dtype)
             del grad_z
