@@ -21,19 +21,20 @@ from areal_npu.recipe import RLConfig
 
 
 def warm_start(cfg: RLConfig, base_dir: Path, tasks, out_dir: Path, console) -> Path:
-    """SFT of policy and MTP head on the reference answers; writes an HF checkpoint with ``mtp.*``."""
+    """SFT of policy and MTP head on the reference answers; writes an HF checkpoint with ``mtp.*``
+    in the base checkpoint's layout (text or published)."""
     from transformers import AutoTokenizer
 
     from areal_npu.agent.tasks import sft_pairs
     from areal_npu.controller import warm_start_samples
-    from areal_npu.model.mtp_checkpoint import load_model_with_mtp
+    from areal_npu.model.layout import load_for_training
     from areal_npu.train.checkpoint import write_hf_checkpoint
     from areal_npu.train.engine import FSDPEngine
     from areal_npu.train.optim import OptimConfig
 
     w = cfg.warmstart
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    lm, mtp = load_model_with_mtp(base_dir, cfg.mtp)
+    lm, mtp, layout = load_for_training(base_dir, cfg.mtp)
     optim = OptimConfig(
         lr=w.lr,
         warmup_steps=min(20, w.steps // 10),
@@ -42,7 +43,7 @@ def warm_start(cfg: RLConfig, base_dir: Path, tasks, out_dir: Path, console) -> 
         min_lr_ratio=0.1,
     )
     train_cfg = dataclasses.replace(cfg.train, optim=optim, ppo_minibatches=1)
-    engine = FSDPEngine(lm, mtp, train_cfg, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id)
+    engine = FSDPEngine(lm, mtp, train_cfg, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id, layout=layout)
     samples = warm_start_samples(tokenizer, sft_pairs(tasks))
     rng = random.Random(cfg.seed)
     from rich.progress import Progress
@@ -58,6 +59,7 @@ def warm_start(cfg: RLConfig, base_dir: Path, tasks, out_dir: Path, console) -> 
                     + "  ".join(f"{k} {stats[k]:.3f}" for k in keys if k in stats)
                 )
             progress.advance(bar)
+    # in the base checkpoint's layout: a published one stays loadable by vLLM's VL class
     write_hf_checkpoint(engine, out_dir, tokenizer)
     del engine
     return out_dir
@@ -105,7 +107,7 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
 
     from areal_npu.agent.tasks import make_splits
     from areal_npu.metrics import StatsLogger
-    from areal_npu.model.mtp_checkpoint import load_model_with_mtp
+    from areal_npu.model.layout import load_for_training
     from areal_npu.model.tiny import save_tiny_model
     from areal_npu.rollout.launcher import launch_engines
     from areal_npu.train.checkpoint import checkpoint_to_resume, load_checkpoint
@@ -142,8 +144,8 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
             else base
         )
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    lm, mtp = load_model_with_mtp(policy_dir, cfg.mtp)
-    engine = FSDPEngine(lm, mtp, cfg.train, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id)
+    lm, mtp, layout = load_for_training(policy_dir, cfg.mtp)
+    engine = FSDPEngine(lm, mtp, cfg.train, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id, layout=layout)
     start_step = 0
     logger = StatsLogger(run_dir, cfg.controller.steps)
     if checkpoint is not None:

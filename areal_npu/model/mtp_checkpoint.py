@@ -103,22 +103,41 @@ def attach_mtp(model, cfg: MTPConfig, checkpoint_dir: str | Path | None = None) 
 
 
 def load_model_with_mtp(model_dir: str | Path, cfg: MTPConfig, dtype: torch.dtype = torch.float32, **kwargs):
-    """``(model, mtp or None)``: transformers for the policy, :func:`attach_mtp` for the head."""
+    """``(model, mtp or None)``: transformers for the policy, :func:`attach_mtp` for the head.
+    Text-layout checkpoints only: a published (multimodal) one loads with
+    :func:`areal_npu.model.layout.load_for_training`, which also returns the layout to save it in."""
     from transformers import AutoModelForCausalLM
 
+    from areal_npu.model.layout import PUBLISHED, detect_layout
+
+    if detect_layout(model_dir) == PUBLISHED:
+        raise ValueError(
+            f"{model_dir} is a published (multimodal) Qwen3.5 checkpoint: load it with "
+            "areal_npu.model.layout.load_for_training, so that saves keep its layout"
+        )
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **kwargs)
     return model, attach_mtp(model, cfg, model_dir)
 
 
-def save_model_with_mtp(model, mtp: Qwen35MTP | None, out_dir: str | Path, tokenizer=None) -> Path:
+def save_model_with_mtp(
+    model, mtp: Qwen35MTP | None, out_dir: str | Path, tokenizer=None, layout=None
+) -> Path:
     """``save_pretrained`` plus the ``mtp.*`` weights: merged into a single ``model.safetensors``,
-    or as ``model-mtp.safetensors`` listed in the shard index. Sets ``mtp_num_hidden_layers``."""
+    or as ``model-mtp.safetensors`` listed in the shard index. Sets ``mtp_num_hidden_layers``.
+    With a published ``layout`` (from :func:`areal_npu.model.layout.load_for_training`) the text
+    model is written back into that layout instead (one ``model.safetensors``)."""
     from safetensors.torch import load_file, save_file
+
+    from areal_npu.model.layout import PUBLISHED
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if mtp is not None:
         model.config.get_text_config().mtp_num_hidden_layers = mtp.num_layers
+    if layout is not None and layout.kind == PUBLISHED:
+        named = [(k, v.detach().to("cpu")) for k, v in model.state_dict().items()]
+        named += [(k, v.to("cpu")) for k, v in (mtp_state_dict(mtp) if mtp is not None else {}).items()]
+        return layout.save(out, named, model.config, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -1,7 +1,8 @@
 """Atomic, resumable checkpoints of a train engine.
 
 Layout of ``<root>/step_<N>/``: a Hugging Face checkpoint (``config.json``, ``model.safetensors``
-with the ``mtp.*`` weights, the tokenizer) that vLLM and transformers load as is, plus
+with the ``mtp.*`` weights, the tokenizer) that vLLM and transformers load as is, in the layout the
+trained model came from (:mod:`areal_npu.model.layout`), plus
 ``optim.pt`` (full optimizer state), ``trainer_state.json`` (version, scheduler, the caller's
 state such as the data position), ``rng_rank<r>.pt`` and, written last, ``manifest.json`` (every
 file's size and SHA-256; see ``manifest.py``). Everything is written into a temporary directory
@@ -101,24 +102,16 @@ def checkpoint_to_resume(root: str | Path, warn: Callable[[str], None]) -> Path:
 
 
 def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
-    """The engine's weights as a Hugging Face checkpoint (with ``mtp.*``) that vLLM loads as is.
-    Collective unless ``tensors`` (the full state) is given; only rank 0 writes."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
+    """The engine's weights as a Hugging Face checkpoint (with ``mtp.*``) that vLLM loads as is, in
+    the layout the engine's model came from (``engine.layout``: a published checkpoint keeps its
+    outer config, ``model.language_model.*`` names and untouched vision tower). ``tensors``: the
+    full state under training names. Collective unless ``tensors`` is given; only rank 0 writes."""
     tensors = dict(engine.full_state_dict()) if tensors is None else tensors
+    out = Path(out_dir)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(out / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
         if engine.mtp is not None:
             engine.lm.config.mtp_num_hidden_layers = engine.mtp.num_layers
-        engine.lm.config.save_pretrained(out)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
+        engine.layout.save(out, tensors.items(), engine.lm.config, tokenizer)
     return out
 
 
@@ -169,7 +162,7 @@ def load_checkpoint(engine, path: str | Path) -> dict:
     tensors = load_file(str(path / "model.safetensors"))
     module_state = {}
     for name in engine.module.state_dict():
-        source = name[len("lm.") :] if name.startswith("lm.") else name
+        source = engine.layout.checkpoint_name(name[len("lm.") :] if name.startswith("lm.") else name)
         if source in tensors:
             module_state[name] = tensors[source]
     missing = [n for n in engine.module.state_dict() if n not in module_state and "rotary_emb" not in n]

@@ -9,6 +9,7 @@ over micro-batches and data-parallel ranks, so micro-batching and sharding never
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from areal_npu.config import ConfigError
 from areal_npu.data.packed_layout import pack_per_token, pack_sequences, unpack_per_token
 from areal_npu.data.packing import PackingConfig, packing_stats, plan_micro_batches
 from areal_npu.data.trajectory import truncate_sample
+from areal_npu.model.layout import TEXT, CheckpointLayout
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.mtp_params import apply_mtp_mode, mtp_mode
 from areal_npu.model.mtp_targets import build_mtp_targets
@@ -73,6 +75,9 @@ class TrainEngineConfig:
 class FSDPEngine:
     """Trains a transformers causal LM (+ MTP head) with FSDP2 over the platform's backend.
 
+    ``layout`` is the checkpoint layout the model came from (:func:`areal_npu.model.layout.load_for_training`
+    returns the text causal LM of either layout and its layout): exported weights and checkpoints use
+    its names, so a published-layout model syncs and saves as ``model.language_model.*``.
     Expects ``torch.distributed`` to be initialised (:func:`areal_npu.train.dist.init_distributed`);
     every rank calls every method with its own share of the batch.
     """
@@ -85,10 +90,17 @@ class FSDPEngine:
         mtp_config: MTPConfig | None = None,
         ppo_config: PPOConfig | None = None,
         pad_token_id: int = 0,
+        layout: CheckpointLayout | None = None,
     ):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         config.validate()
+        if not hasattr(getattr(lm, "model", None), "layers"):
+            raise ValueError(
+                f"{type(lm).__name__} is not a text causal LM (no .model.layers): load a published "
+                "(multimodal) checkpoint with areal_npu.model.layout.load_for_training, which trains its language model"
+            )
+        self.layout = layout or CheckpointLayout(TEXT)
         self.config = config
         self.mtp_config = mtp_config or MTPConfig(enabled=mtp is not None, train=mtp is not None)
         self.mtp_config.validate()
@@ -371,7 +383,9 @@ class FSDPEngine:
 
     # ---- weights --------------------------------------------------------------------------------
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, full CPU tensor) for every parameter; collective: all ranks iterate."""
+        """(training name, full CPU tensor) for every parameter: the text causal LM's names
+        (``model.*``, ``lm_head.*``) and ``mtp.*``; ``self.layout.checkpoint_name`` gives the
+        checkpoint's. Collective: all ranks iterate."""
         for name, param in self.module.state_dict().items():
             tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
             if name.startswith("lm."):
@@ -380,21 +394,32 @@ class FSDPEngine:
                 yield name, tensor.detach().cpu()
 
     def export_buckets(self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")):
-        """Weights for the rollout sync in size-bounded buckets: ``(kind, [(name, tensor), ...])``.
+        """Weights for the rollout sync in size-bounded buckets: ``(kind, [(name, tensor), ...])``,
+        under the names of the checkpoint's layout (what the engine's ``load_weights`` takes).
 
-        ``kind`` is ``policy`` or ``mtp`` (vLLM loads the drafter separately). Frozen parts are
-        skipped (a frozen head was loaded once by the engine). Collective: every rank iterates.
+        ``kind`` is ``policy`` or ``mtp`` (vLLM loads the drafter separately), or ``vision`` (a
+        published checkpoint's untouched vision tower; only when asked: vLLM serving with images
+        off builds no vision tower to load it into). Frozen parts are skipped
+        (a frozen head was loaded once by the engine). Collective: every rank iterates.
         """
+        unknown = sorted(set(kinds) - {"policy", "mtp", "vision"})
+        if unknown:
+            raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp or vision")
         mode = mtp_mode(self.mtp_config)
         wanted = {
             "policy": mode != "mtp_only" and "policy" in kinds,
             "mtp": mode in ("joint", "mtp_only") and "mtp" in kinds,
+            "vision": "vision" in kinds,
         }
+        carried = ((n, "vision", t) for n, t in self.layout.carried.items())
+        named = (
+            (self.layout.checkpoint_name(n), "mtp" if n.startswith("mtp.") else "policy", t)
+            for n, t in self.full_state_dict()
+        )
         bucket: list = []
         size = 0
         current = None
-        for name, tensor in self.full_state_dict():
-            kind = "mtp" if name.startswith("mtp.") else "policy"
+        for name, kind, tensor in itertools.chain(named, carried):
             if not wanted[kind]:
                 continue
             nbytes = tensor.numel() * tensor.element_size()

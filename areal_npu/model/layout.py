@@ -1,0 +1,198 @@
+"""The two checkpoint layouts of Qwen3.5/3.6, and the one place that converts between them.
+
+``published``: how Qwen3.5/3.6 ship and the only Qwen3.5 layout vLLM 0.23 serves. One multimodal
+checkpoint: outer ``config.json`` (``architectures: ["Qwen3_5ForConditionalGeneration"]``,
+``text_config``, ``vision_config``); weights ``model.language_model.*`` (the text model),
+``model.visual.*`` (the vision tower), ``lm_head.*`` and ``mtp.*``; a ``preprocessor_config.json``.
+
+``text``: a text-only ``Qwen3_5ForCausalLM`` checkpoint (``model.*``, ``lm_head.*``, ``mtp.*``).
+
+Training always runs the text causal LM built from the checkpoint's text config, with the
+published names renamed (``model.language_model.`` -> ``model.``). Why not the VL class: batches
+are text only, and on text the VL class computes exactly the text model (its language model with
+3-D rotary positions that are equal in all three sections); the text class is what the engine's
+FSDP2 wrapping, packed attention, Gated DeltaNet segment reset and MTP head were built and tested
+on, and the vision tower would only add frozen FSDP units and parameters to the optimizer's
+bookkeeping. The vision tower is instead carried through untouched: read once at load (kept in
+memory, so a later checkpoint does not depend on the source directory still existing), written
+back bit for bit on every save, and synced only when asked (``kind="vision"``).
+
+Saving writes the layout the checkpoint came from: the outer config with ``architectures`` (its
+``text_config`` is the very object the text model was built from, so ``mtp_num_hidden_layers``
+set in training lands there), the checkpoint names, the vision tower and the processor files.
+Export names for weight sync come from :meth:`CheckpointLayout.checkpoint_name`: the names the
+engine's model loads (vLLM's ``Qwen3_5ForConditionalGeneration.load_weights`` maps
+``model.language_model.*`` / ``model.visual.*`` / ``lm_head.*``; its ``Qwen3_5MTP`` drafter takes
+``mtp.*``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "PUBLISHED",
+    "PUBLISHED_TEXT_PREFIX",
+    "TEXT",
+    "VISION_PREFIX",
+    "CheckpointLayout",
+    "detect_layout",
+    "load_for_training",
+    "read_checkpoint_tensors",
+]
+
+TEXT = "text"
+PUBLISHED = "published"
+PUBLISHED_TEXT_PREFIX = "model.language_model."
+TRAIN_TEXT_PREFIX = "model."
+VISION_PREFIX = "model.visual."
+MTP_PREFIX = "mtp."
+#: Files beside the weights that a published checkpoint needs to load as a VL model in vLLM
+#: (its Qwen3.5 processor is built even with images switched off); carried through saves.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+
+
+def detect_layout(model_dir: str | Path) -> str:
+    """``published`` when ``config.json`` is the multimodal outer config (has ``text_config``), else ``text``."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return PUBLISHED if isinstance(config.get("text_config"), dict) else TEXT
+
+
+def read_checkpoint_tensors(model_dir: str | Path, keep=lambda name: True) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files whose name passes ``keep``."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if keep(key):
+                    tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+@dataclass
+class CheckpointLayout:
+    """Which layout a checkpoint has, and what a save needs beyond the trained weights.
+
+    ``config``: the checkpoint's own config (the outer ``Qwen3_5Config`` for ``published``).
+    ``carried``: tensors saved untouched (the vision tower), under checkpoint names.
+    ``files``: processor files copied beside the weights.
+    """
+
+    kind: str = TEXT
+    config: object = None
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in (TEXT, PUBLISHED):
+            raise ValueError(f"layout must be {TEXT!r} or {PUBLISHED!r}, got {self.kind!r}")
+
+    def checkpoint_name(self, training_name: str) -> str:
+        """Training name (text causal LM + ``mtp.*``) -> the name in this layout's checkpoint."""
+        if self.kind == PUBLISHED and training_name.startswith(TRAIN_TEXT_PREFIX):
+            return PUBLISHED_TEXT_PREFIX + training_name[len(TRAIN_TEXT_PREFIX) :]
+        return training_name
+
+    def training_name(self, checkpoint_name: str) -> str | None:
+        """Checkpoint name -> training name; ``None`` for tensors training does not hold (vision)."""
+        if self.kind == TEXT:
+            return checkpoint_name
+        if checkpoint_name.startswith(PUBLISHED_TEXT_PREFIX):
+            return TRAIN_TEXT_PREFIX + checkpoint_name[len(PUBLISHED_TEXT_PREFIX) :]
+        if checkpoint_name.startswith(VISION_PREFIX):
+            return None
+        return checkpoint_name
+
+    def checkpoint_tensors(
+        self, named: Iterable[tuple[str, torch.Tensor]], with_carried: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Training-named tensors renamed for this layout, plus the carried ones."""
+        out = {self.checkpoint_name(n): t for n, t in named}
+        if with_carried:
+            out.update(self.carried)
+        return out
+
+    def save(
+        self,
+        out_dir: str | Path,
+        named: Iterable[tuple[str, torch.Tensor]],
+        text_config,
+        tokenizer=None,
+    ) -> Path:
+        """Write ``config.json``, ``model.safetensors`` (training-named tensors renamed, carried ones
+        added) and the processor files into ``out_dir``."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = self.checkpoint_tensors(named)
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(out / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        config = self.config if self.kind == PUBLISHED else text_config
+        if self.kind == PUBLISHED and config.text_config is not text_config:
+            raise ValueError(
+                "the trained text config is not the checkpoint's text_config (load with load_for_training)"
+            )
+        config.save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        for name, data in self.files.items():
+            (out / name).write_bytes(data)
+        return out
+
+
+def _load_published_text_model(model_dir: Path, config, dtype: torch.dtype):
+    """The text causal LM from ``config.text_config`` with the ``model.language_model.*`` weights
+    (transformers' own loader, renaming on the fly; it skips ``model.visual.*`` and ``mtp.*``)."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(model_dir),
+        config=config.text_config,
+        dtype=dtype,
+        key_mapping={"^" + PUBLISHED_TEXT_PREFIX.replace(".", r"\."): TRAIN_TEXT_PREFIX},
+        output_loading_info=True,
+    )
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
+    if problems:
+        raise ValueError(f"{model_dir}: published checkpoint does not match its text_config: {problems}")
+    # one config object: what training sets on the text model (mtp_num_hidden_layers) is saved
+    config.text_config = model.config
+    return model
+
+
+def load_for_training(model_dir: str | Path, mtp_cfg, dtype: torch.dtype = torch.float32):
+    """``(text causal LM, MTP head or None, CheckpointLayout)`` from a checkpoint in either layout."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from areal_npu.model.mtp_checkpoint import attach_mtp
+
+    model_dir = Path(model_dir)
+    kind = detect_layout(model_dir)
+    if kind == TEXT:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        return model, attach_mtp(model, mtp_cfg, model_dir), CheckpointLayout(TEXT)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    model = _load_published_text_model(model_dir, config, dtype)
+    carried = read_checkpoint_tensors(model_dir, keep=lambda n: n.startswith(VISION_PREFIX))
+    files = {
+        name: (model_dir / name).read_bytes() for name in PROCESSOR_FILES if (model_dir / name).is_file()
+    }
+    layout = CheckpointLayout(PUBLISHED, config, carried, files)
+    return model, attach_mtp(model, mtp_cfg, model_dir), layout
