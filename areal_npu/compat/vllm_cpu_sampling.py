@@ -22,7 +22,8 @@ request's value, with ``replace_from`` mapped to ``replace_to``, repeated over i
 through vLLM's own kernel-override registry. It must run in the worker process after vLLM
 registers its CPU overrides; ``areal_npu.rollout.worker_ext`` (loaded by vLLM right after that
 point via ``--worker-extension-cls``) calls :func:`apply`. ``tests/rollout/test_cpu_sampling_fix.py``
-fails when upstream fixes the cause.
+fails when upstream fixes the cause. vLLM 0.23 has the same bug and no kernel registry:
+:func:`apply` hands over to ``areal_npu/compat/vllm023_cpu_sampling.py`` there.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ def apply() -> bool:
         return False
     if HAS_TRITON or not current_platform.is_cpu():
         return False
+    from areal_npu.rollout import vllm_features
+
+    if not vllm_features.has("cpu_kernel_registry"):  # 0.23: no registry, and a second broken kernel
+        from areal_npu.compat import vllm023_cpu_sampling
+
+        return vllm023_cpu_sampling.apply()
     from vllm.triton_utils.dispatcher import register_kernels
 
     register_kernels({KERNEL: expand_kernel_impl})

@@ -8,6 +8,9 @@ message starts with the field name). Known limits enforced here, each with the r
   in the rejection sampler), so it is rejected up front (``top_p`` works).
 * Only ``raw_logprobs`` are trustworthy under speculation in vLLM 0.32 (``processed_logprobs``
   returns -ln V, 0 or NaN), so the behaviour log-prob mode is fixed.
+* What the installed vLLM lacks is refused by name and version (``vllm_features.require``):
+  ``spec.adaptive`` needs runtime ``k`` and ``weight_transport: nccl | cuda_ipc`` vLLM's trainer-side
+  engines, both from 0.32; vLLM 0.23 (the images') has neither.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from areal_npu.config import ConfigError
+from areal_npu.rollout import vllm_features
 
 #: Methods vLLM accepts that draft from the model's own multi-token-prediction layers.
 #: Model-specific names normalise to ``mtp`` inside vLLM (checked against vLLM in the tests).
@@ -96,6 +100,8 @@ class SpecConfig:
                     f"method {self.method!r}: adaptive draft length is built and tested for MTP drafters only",
                 )
             self.adapt_config()
+            # runtime k is vLLM's dynamic speculative-decoding table (spec_k.py)
+            vllm_features.require("dynamic_spec_tokens", "adaptive", "adaptive draft length (runtime k)")
         elif self.adapt:
             raise ConfigError("adapt", "is only read when adaptive is true")
 
@@ -213,6 +219,12 @@ class RolloutConfig:
                 "(fused attention verifies at most 16 tokens per decode step)",
             )
         transport = self.resolved_transport()
+        if transport in ("nccl", "cuda_ipc"):  # transports.py drives vLLM's trainer-side engine classes
+            vllm_features.require(
+                "trainer_weight_transfer", "weight_transport", f"{transport!r} (vLLM's trainer-side engine)"
+            )
+        if transport != "rpc":
+            vllm_features.require("weight_transfer_config", "weight_transport", f"{transport!r}")
         allowed = {"cpu": ("rpc",), "npu": ("rpc", "hccl", "npu_ipc"), "cuda": ("rpc", "nccl", "cuda_ipc")}
         if transport not in allowed[device]:
             raise ValueError(
@@ -242,9 +254,14 @@ class RolloutConfig:
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         spec = self.spec.vllm_dict()
         if spec is not None:
-            args += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
+            args += ["--speculative-config", json.dumps(spec)]
+            if vllm_features.has("per_request_spec_metrics"):  # else samples' "spec" is null (server.py)
+                args += ["--per-request-spec-decode-metrics", "summary"]
             if self.spec.adaptive:
                 args += ["--scheduler-cls", "areal_npu.rollout.spec_k.runtime_k_scheduler"]
+        from areal_npu.compat import vllm023_gdn_state
+
+        args += vllm023_gdn_state.engine_args(self.device_type(), self.extra_engine_args)
         for key, value in self.extra_engine_args.items():
             flag = "--" + key.replace("_", "-")
             if value is True:

@@ -6,7 +6,8 @@ agent frameworks; this module adds, under ``/areal``:
 
 * ``POST /areal/generate`` -- token ids in; per sample: generated ids, behaviour log-prob of every
   sampled token (``raw_logprobs``), the weight version of every token, finish reason, and the
-  request's speculative-decoding summary.
+  request's speculative-decoding summary (null where vLLM has no per-request metrics: 0.23;
+  the engine counters under ``/areal/metrics`` carry acceptance on every version).
 * ``POST /areal/pause``, ``/areal/resume`` -- generation paused in ``keep`` mode: in-flight
   requests freeze and continue after resume (their later tokens carry the new version).
 * ``POST /areal/update_weights/{begin,bucket,commit}`` -- bucketed in-place update of the policy
@@ -16,7 +17,8 @@ agent frameworks; this module adds, under ``/areal``:
   engines (NCCL / CUDA IPC, and vLLM-Ascend's HCCL / NPU IPC) for device-to-device updates.
 * ``POST /areal/spec_k`` -- ``{"k": K}``: draft length from the next scheduler step on (engines
   started with ``spec.adaptive``; 0 = no drafts; see ``spec_k.py``).
-* ``GET /areal/metrics`` (cumulative acceptance counters as JSON), ``GET /areal/version``.
+* ``GET /areal/metrics`` (cumulative acceptance counters as JSON), ``GET /areal/version`` (weight
+  version, and the vLLM version and feature map: ``vllm_features.py``).
 
 Every body is checked against its route's fields (``request_body.py``) before the engine is
 touched: a missing, wrong-typed or unknown field answers 400 naming the field.
@@ -34,7 +36,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from areal_npu.rollout import request_body, spec_k
+from areal_npu.rollout import request_body, spec_k, vllm_features
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.parent_watch import die_with_parent
 
@@ -57,6 +59,8 @@ class EngineState:
         self.failed_update: str | None = None
         self.spec_k_file: str | None = os.environ.get(spec_k.ENV_FILE)
         self.spec_k = cfg.spec.adapt_config().k_init if cfg.spec.adaptive else cfg.spec.num_speculative_tokens
+        # vLLM fills CompletionOutput.spec_decode_metrics only where it has the flag (vllm_features)
+        self.per_request_spec = cfg.spec.enabled and vllm_features.has("per_request_spec_metrics")
 
     async def rpc(self, method: str, *args) -> list:
         return await self.engine.collective_rpc(method, args=args)
@@ -132,7 +136,7 @@ def make_router(state: EngineState):
                     sample["versions"] += [version] * len(ids)
                     if comp.finish_reason is not None:
                         sample["finish_reason"] = comp.finish_reason
-                    metrics = getattr(comp, "spec_decode_metrics", None)
+                    metrics = comp.spec_decode_metrics if state.per_request_spec else None
                     if metrics is not None:
                         sample["spec"] = metrics.to_dict() if hasattr(metrics, "to_dict") else metrics
         except asyncio.CancelledError:
@@ -164,6 +168,7 @@ def make_router(state: EngineState):
             "spec": state.cfg.spec.vllm_dict(),
             "spec_k": state.spec_k,
             "uptime_s": time.time() - state.started,
+            "vllm": vllm_features.summary(),
         }
 
     @router.post("/spec_k")
@@ -245,6 +250,13 @@ def make_router(state: EngineState):
     async def collective_start(request: Request):
         body = await _body(request, request_body.TARGET)
         if body["target"] == "draft":
+            if not vllm_features.has("draft_weight_transfer"):
+                raise HTTPException(
+                    status_code=400,
+                    detail=f"vLLM {vllm_features.installed_version()}'s weight-transfer engines load the "
+                    "target model only; send the drafter's mtp.* tensors as rpc buckets "
+                    "(/areal/update_weights/bucket?target=draft)",
+                )
             await state.engine.start_draft_weight_update()
         else:
             await state.engine.start_weight_update()
@@ -274,12 +286,16 @@ def make_router(state: EngineState):
 
 def _vllm_client_errors() -> tuple[type[BaseException], ...]:
     """vLLM's errors for requests it refuses (the caller's fault: 400, so the client does not
-    retry them on another engine); none where vLLM is absent (the route tests) or predates them."""
+    retry them on another engine, nor restart the engine); none where vLLM is absent (the route
+    tests). vLLM 0.23's input processor refuses with plain ``ValueError`` (e.g. a prompt longer
+    than max_model_len); 0.32 has ``VLLMClientError`` (``vllm_features``)."""
     try:
-        from vllm.exceptions import VLLMClientError
+        import vllm.exceptions
     except ImportError:
         return ()
-    return (VLLMClientError,)
+    if vllm_features.has("client_error_class"):
+        return (vllm.exceptions.VLLMClientError,)
+    return (ValueError,)
 
 
 def _refused_by_vllm(exc: BaseException) -> HTTPException:
@@ -301,14 +317,52 @@ async def _body(request: Request, fields: dict[str, request_body.Field]) -> dict
     return _checked(lambda: request_body.parse(raw, fields))
 
 
+def _vllm_server_parts():
+    """vLLM's OpenAI-server building blocks: 0.32 keeps them in ``vllm.entrypoints.launchers``,
+    0.23 in ``vllm.entrypoints.openai.api_server`` (same functions; ``setup_server`` gained
+    ``reuse_port``)."""
+    from types import SimpleNamespace
+
+    if vllm_features.has("entrypoints_launchers"):
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.entrypoints.launchers.launcher import serve_http
+        from vllm.entrypoints.launchers.launcher import setup_server as _setup
+
+        def setup_server(args):
+            return _setup(args, reuse_port=False)
+
+    else:
+        from vllm.entrypoints.launcher import serve_http
+        from vllm.entrypoints.openai.api_server import (
+            build_app,
+            build_async_engine_client,
+            init_app_state,
+            setup_server,
+        )
+        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    return SimpleNamespace(
+        init_app_state=init_app_state,
+        build_async_engine_client=build_async_engine_client,
+        build_app=build_app,
+        make_arg_parser=make_arg_parser,
+        validate_parsed_serve_args=validate_parsed_serve_args,
+        serve_http=serve_http,
+        setup_server=setup_server,
+    )
+
+
 async def serve(cfg: RolloutConfig, port: int) -> None:
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    if not vllm_features.has("pause_keep"):  # the update routes freeze in-flight requests
+        raise RuntimeError(
+            f"vLLM {vllm_features.installed_version()} has no pause_generation(mode='keep'); "
+            f"needs >= {vllm_features.since_text('pause_keep')}"
+        )
+    vllm_api = _vllm_server_parts()
     argv = cfg.vllm_cli_args(port)
     if cfg.spec.adaptive:
         # read by the scheduler in vLLM's engine-core process, which inherits this environment
@@ -324,16 +378,16 @@ async def serve(cfg: RolloutConfig, port: int) -> None:
     transport = cfg.resolved_transport()
     if transport in TRANSFER_BACKENDS:
         argv += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKENDS[transport]})]
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-    validate_parsed_serve_args(args)
-    listen_address, sock = setup_server(args, reuse_port=False)
-    async with build_async_engine_client(args) as engine:
+    args = vllm_api.make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    vllm_api.validate_parsed_serve_args(args)
+    listen_address, sock = vllm_api.setup_server(args)
+    async with vllm_api.build_async_engine_client(args) as engine:
         supported = await engine.get_supported_tasks()
-        app = build_app(args, supported, engine.model_config)
-        await init_app_state(engine, app.state, args, supported)
+        app = vllm_api.build_app(args, supported, engine.model_config)
+        await vllm_api.init_app_state(engine, app.state, args, supported)
         app.include_router(make_router(EngineState(engine, cfg)))
         # ours first: vLLM's app has catch-all middleware but no /areal routes
-        shutdown_task = await serve_http(
+        shutdown_task = await vllm_api.serve_http(
             app,
             sock=sock,
             host=args.host,

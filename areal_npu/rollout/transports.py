@@ -7,7 +7,8 @@
   ``IPCTrainerWeightTransferEngine``), which also update the drafter (``start_draft_weight_update``).
 * ``hccl`` / ``npu_ipc`` (Ascend): vLLM-Ascend's engines of the same protocol. vLLM-Ascend v0.23
   loads them into the target model only, so the MTP drafter's ``mtp.*`` tensors (one layer, small)
-  go through the ``rpc`` buckets in the same paused session.
+  go through the ``rpc`` buckets in the same paused session -- as on any vLLM without
+  ``draft_weight_transfer`` (``vllm_features.py``; vLLM 0.23 itself).
 
 Every transport runs one versioned session: pause (in-flight requests kept) -> policy -> drafter
 (unless the head is frozen) -> commit version + resume. Device packages are imported lazily, only
@@ -52,6 +53,18 @@ TRAINER_ENGINES = {
 }
 #: transports whose engines cannot load the drafter (vLLM-Ascend v0.23): drafter goes by rpc buckets
 DRAFT_BY_RPC = ("hccl", "npu_ipc")
+
+
+def draft_by_rpc(transport: str) -> bool:
+    """Whether the drafter's ``mtp.*`` tensors go as rpc buckets rather than through ``transport``:
+    vLLM-Ascend's engines, and any vLLM whose weight-transfer engines load the target model only
+    (0.23: ``vllm_features`` ``draft_weight_transfer``). Engines run the vLLM installed here
+    (without one, the trainer-side engine classes cannot be imported either: tests inject them)."""
+    from areal_npu.rollout import vllm_features
+
+    if transport in DRAFT_BY_RPC:
+        return True
+    return vllm_features.installed_version() is not None and not vllm_features.has("draft_weight_transfer")
 
 
 def load_trainer_engine(transport: str) -> tuple[type, type]:
@@ -168,7 +181,7 @@ class CollectiveTransport:
             await asyncio.to_thread(self.engine.send_weights)
             rounds.append(("policy", self.transport, len(policy)))
             if sync_draft and draft:
-                if self.transport in DRAFT_BY_RPC:
+                if draft_by_rpc(self.transport):
                     for bucket in iter_buckets(draft, self.client.bucket_bytes):
                         payload = pack_bucket(bucket)
                         await self.client._all(

@@ -6,18 +6,22 @@ linear weights after loading, so updates go through vLLM's layer-wise reload, wh
 processing again (``initialize_layerwise_reload`` -> ``load_weights`` per bucket ->
 ``finalize_layerwise_reload``). The MTP drafter is a separate module in vLLM: loading the policy
 refreshes only what it shares with the drafter (embedding, output head), so the drafter's own
-``mtp.*`` weights get their own session against ``get_draft_model()``.
+``mtp.*`` weights get their own session against the drafter module (``get_draft_model()`` on
+vLLM 0.32; the model runner's ``drafter.model`` on 0.23, which has the same layer-wise helpers).
 """
 
 from __future__ import annotations
 
-from areal_npu.compat import vllm_cpu_sampling, vllm_spec_off
+from areal_npu.compat import vllm_cpu_mamba, vllm_cpu_sampling, vllm_spec_off
+from areal_npu.rollout import vllm_features
 
 # vLLM imports this class in each worker right after registering its CPU kernel overrides: the
 # moment to replace the broken one (see areal_npu/compat/vllm_cpu_sampling.py).
 vllm_cpu_sampling.apply()
 # adaptive speculation: no drafter forward while k = 0 (only when the server asked for it)
 vllm_spec_off.apply()
+if vllm_features.has("cpu_kernel_registry"):  # registers through 0.32's kernel registry (0.23 has none)
+    vllm_cpu_mamba.apply()  # hybrid + speculation + prefix caching on the CPU (compat/vllm_cpu_mamba.py)
 
 TARGETS = ("policy", "draft")
 
@@ -29,12 +33,23 @@ class WeightSyncExtension:
         if target == "policy":
             return self.get_model(), self.vllm_config.model_config
         if target == "draft":
-            model = self.get_draft_model()
+            model = self._areal_draft_model()
             spec = self.vllm_config.speculative_config
             if model is None or spec is None or spec.draft_model_config is None:
                 raise RuntimeError("draft weight update requested but this engine has no drafter")
             return model, spec.draft_model_config
         raise ValueError(f"target must be one of {TARGETS}; got {target!r}")
+
+    def _areal_draft_model(self):
+        """The drafter's ``nn.Module`` (None without one). vLLM 0.32 exposes it as
+        ``get_draft_model()``; 0.23 does not, and its weight-transfer engines load the target only
+        (REFERENCES.md), so we take it from the model runner's proposer, as 0.32's accessor does."""
+        if vllm_features.has("draft_model_accessor"):
+            return self.get_draft_model()
+        drafter = getattr(self.model_runner, "drafter", None)  # absent when speculation is off
+        model = getattr(drafter, "model", None)
+        unwrap = getattr(model, "unwrap", None)  # graph wrappers (not on the CPU: enforce_eager)
+        return unwrap() if callable(unwrap) else model
 
     def areal_begin_update(self, target: str) -> None:
         from vllm.config import set_current_vllm_config

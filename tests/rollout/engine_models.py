@@ -1,0 +1,103 @@
+"""The checkpoint the engine tests serve, per vLLM version, with its transformers reference.
+
+vLLM 0.32 (the CPU default) serves the text-layout tiny model (``Qwen3_5ForCausalLM``). vLLM 0.23
+-- the images' version -- serves Qwen3.5 only as ``Qwen3_5ForConditionalGeneration``, the
+published layout (REFERENCES.md; ``vllm_features`` ``qwen3_5_text_class``), so on 0.23 the tests
+serve the published tiny model (``areal_npu.model.tiny``, ``layout="published"``). Its layers are
+all full attention: 0.23's CPU Gated DeltaNet kernel refuses speculative decoding outright
+("speculative decode not supported in CPU GDN attention"), so a hybrid cannot speculate there,
+while the VL class with full attention only runs on 0.23 (0.32 refuses it: "no mamba layers"),
+in float32 like the text model. Both get the near-oracle drafter construction of
+``areal_npu.rollout.synthetic``, on their own names; both are checked to 1e-4 in log-prob and
+token for token against transformers (``ServedModel.load_reference``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from areal_npu.rollout import reference, synthetic, vllm_features
+
+PUBLISHED_TEXT = "model.language_model."
+
+
+@dataclass
+class ServedModel:
+    path: Path
+    layout: str  # "text" | "published"
+    dtype: str  # what the engine serves in
+    logprob_tol: float  # |vLLM raw log-prob - reference| per token
+    policy_names: int  # tensors a full policy update sends (checkpoint names, mtp.* excluded)
+    draft_names: int  # mtp.* tensors
+
+    @property
+    def norm_name(self) -> str:
+        return (PUBLISHED_TEXT if self.layout == "published" else "model.") + "norm.weight"
+
+    def engine_kwargs(self) -> dict:
+        extra = {"limit_mm_per_prompt": {"image": 0, "video": 0}} if self.layout == "published" else {}
+        return {"model": str(self.path), "dtype": self.dtype, "extra_engine_args": extra}
+
+    def load_reference(self, path: Path | None = None):
+        path = path or self.path
+        if self.layout == "text":
+            return reference.load_model(path)
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        # the weights as vLLM holds them (rounded to bf16 when it serves in bf16), arithmetic in float32
+        model = Qwen3_5ForConditionalGeneration.from_pretrained(str(path), dtype=getattr(torch, self.dtype))
+        return model.float().eval()
+
+    def flip_final_norm(self, tensors: dict[str, torch.Tensor], seed: int, sync_draft: bool = True):
+        """``synthetic.flip_final_norm`` on this layout's names: a new policy (random signs on the
+        final norm), the drafter's norm flipped along when ``sync_draft``."""
+        out = {k: v.clone() for k, v in tensors.items()}
+        g = torch.Generator().manual_seed(seed)
+        signs = torch.where(torch.rand(out[self.norm_name].shape, generator=g) < 0.5, -1.0, 1.0)
+        out[self.norm_name] = signs - 1.0
+        if sync_draft:
+            out["mtp.norm.weight"] = out[self.norm_name].clone()
+        return out
+
+
+def serves_text_layout() -> bool:
+    """vLLM 0.32 serves ``Qwen3_5ForCausalLM``; 0.23 refuses it ("not supported for now")."""
+    return vllm_features.has("qwen3_5_text_class")
+
+
+def _published_aligned(tensors: dict[str, torch.Tensor], residual_scale: float, logit_scale: float):
+    out = {k: v.clone() for k, v in tensors.items()}
+    for name in out:
+        if name.startswith(PUBLISHED_TEXT + "layers.") and name.endswith(
+            ("o_proj.weight", "down_proj.weight", "linear_attn.out_proj.weight")
+        ):
+            out[name] *= residual_scale
+        if name.startswith("mtp.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name].zero_()
+    out["lm_head.weight"] *= logit_scale
+    hidden = out["mtp.fc.weight"].shape[0]
+    fc = torch.zeros(hidden, 2 * hidden)
+    fc[:, :hidden] = torch.eye(hidden)
+    out["mtp.fc.weight"] = fc
+    out["mtp.norm.weight"] = out[PUBLISHED_TEXT + "norm.weight"].clone()
+    return out
+
+
+def save_engine_model(out_dir: Path) -> ServedModel:
+    out_dir = Path(out_dir)
+    from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+
+    if serves_text_layout():
+        path = synthetic.save_aligned_model(out_dir, TinyModelConfig(layout="text"))
+        layout, dtype, tol = "text", "float32", 1e-4
+    else:
+        base = save_tiny_model(out_dir / "_base", TinyModelConfig(layout="published"))
+        tensors = _published_aligned(synthetic.load_tensors(base), residual_scale=0.1, logit_scale=40.0)
+        path = synthetic.save_tensors(out_dir / "model", base, tensors)
+        layout, dtype, tol = "published", "float32", 1e-4
+    names = synthetic.load_tensors(path)
+    draft = sum(1 for n in names if n.startswith("mtp."))
+    return ServedModel(path, layout, dtype, tol, len(names) - draft, draft)
