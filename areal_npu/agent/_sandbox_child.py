@@ -148,7 +148,7 @@ def _unshare_network() -> str:
     return ""
 
 
-def _set_limits(lim: dict) -> list:
+def _set_limits(lim: dict, jailed: bool) -> list:
     def cap(kind, soft, hard=None):
         hard = soft if hard is None else hard
         old_soft, old_hard = resource.getrlimit(kind)
@@ -160,7 +160,8 @@ def _set_limits(lim: dict) -> list:
     cap(resource.RLIMIT_AS, lim["memory_bytes"])
     cap(resource.RLIMIT_FSIZE, lim["output_bytes"])
     cap(resource.RLIMIT_NOFILE, lim["max_open_files"])
-    cap(resource.RLIMIT_NPROC, lim["max_processes"])
+    if not jailed:  # in the jail the uid maps to the trainer's: its control group counts processes
+        cap(resource.RLIMIT_NPROC, lim["max_processes"])
     cap(resource.RLIMIT_CPU, lim["cpu_seconds"], lim["cpu_seconds"] + 1)
     return ["rlimits"]
 
@@ -220,8 +221,10 @@ def _plain(value, depth=0):
     kind = type(value)
     if value is None or kind in (bool, int, str):
         return value
-    if kind is float:
-        return value if value == value and abs(value) != float("inf") else repr(value)
+    if kind is float:  # non-finite floats are tagged, so they never equal the strings "nan"/"inf"
+        if value != value:
+            return {"float": "nan"}
+        return {"float": "inf" if value > 0 else "-inf"} if abs(value) == float("inf") else value
     if kind in (list, tuple) and depth < 8 and len(value) <= 10_000:
         return [_plain(v, depth + 1) for v in value]
     raise TypeError(f"unsupported answer type {kind.__name__}")
@@ -232,11 +235,17 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     result_fd, prefix = payload["result_fd"], payload["nonce"].encode() + b" "
+    jailed = bool(payload.get("jailed"))
     layers = ["clean_env", "workdir", "new_session"]
-    net = _unshare_network()
+    net = "" if jailed else _unshare_network()  # the jail has its own network namespace already
     layers += [net] if net else []
-    layers += _set_limits(payload["limits"])
+    layers += _set_limits(payload["limits"], jailed)
     layers += _drop_privileges(payload.get("uid"), payload.get("gid"))
+    for path in payload.get("sys_path", []):  # the repository under test, for repo grading
+        sys.path.insert(0, path)
+    # Bytecode caches beside the sources are ignored: a stale one (same size, same second) would
+    # grade the repository as it was, not as it is.
+    sys.pycache_prefix = "/tmp/.pycache" if jailed else None
     os.umask(0o077)
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # CPython ignores it; the parent wants the kill
     if payload["audit"]:
@@ -263,13 +272,15 @@ def main() -> None:
             for value in inputs:
                 try:
                     out = _plain(func(value))
-                    text = json.dumps(out)
+                    text = json.dumps(out, allow_nan=False)
                     results.append({"ok": out} if len(text) <= max_len else {"err": "OutputTooLong"})
                 except RecursionError:
                     results.append({"err": "RecursionError"})
                 except BaseException as exc:  # noqa: BLE001
                     results.append({"err": type(exc).__name__})
-    frame = json.dumps({"results": results, "reason": reason, "layers": layers}, separators=(",", ":"))
+    frame = json.dumps(
+        {"results": results, "reason": reason, "layers": layers}, separators=(",", ":"), allow_nan=False
+    )
     os.write(result_fd, prefix + frame.encode() + b"\n")
     os._exit(0)
 

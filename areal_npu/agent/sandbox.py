@@ -1,43 +1,26 @@
-"""Execution sandbox for untrusted programs: one short-lived child process per program, every test in it.
+"""Execution sandbox for untrusted programs: one jailed child process per program, every test in it.
 
-Layers, outermost first (``SandboxResult.layers`` says which were active for a run):
-
-- ``clean_env``: ``python -I -S -B`` (no PYTHON* variables, no site, no user site), an environment of
-  just ``PATH``/``LC_ALL``, ``close_fds`` (only stdin/stdout/stderr and the result fd are inherited).
-- ``workdir``: a fresh temporary directory as cwd (``TMPDIR`` too), removed afterwards.
-- ``new_session``: the child leads its own session/process group; the group is SIGKILLed after every
-  run, so grandchildren die with it.
-- ``netns``: ``unshare(CLONE_NEWNET)`` (root/CAP_SYS_ADMIN; else an unprivileged user namespace):
-  the only interface is a down loopback, so nothing is reachable.
-- ``rlimits``: RLIMIT_CPU (SIGXCPU → "timeout"), RLIMIT_AS ("memory"), RLIMIT_FSIZE (stdout/stderr
-  are files, so it caps output too; SIGXFSZ → "output_limit"), RLIMIT_NOFILE, RLIMIT_NPROC, no cores.
-- ``uid``: when the parent is root, the child drops to a uid of its own (``uid_base + slot``) after
-  its imports. RLIMIT_NPROC does not apply to root; for that uid it does, which stops fork bombs,
-  and the parent SIGKILLs every process of that uid afterwards (which catches ``setsid`` escapes).
-  The uid cannot read ``/root``, other users' ``/proc/<pid>/environ`` or write root-owned files.
-- ``audit_hook``: ``sys.addaudithook`` kills the child (exit 86 → "blocked_syscall") on sockets,
-  ctypes, subprocess/exec/fork/kill, frame and gc introspection, writes outside the workdir,
-  ``/proc``/``/sys`` access and imports of dangerous modules. In-process hooks are a tripwire, not a
-  wall; the kernel layers above are what hold.
-- parent side: a wall-clock timeout ("timeout"), and a byte cap on everything read back.
+The wall is the jail (:mod:`areal_npu.agent.jail`: bubblewrap namespaces, seccomp, no capabilities,
+a control group for the process tree, nothing of the host but ``/usr`` and the interpreter). Inside
+it ``_sandbox_child.py`` (mounted read-only, run by ``python -I -S -B``) adds per-process rlimits
+and, by default, an audit hook — a tripwire that names what a program tried ("blocked_syscall"),
+not a wall. ``SandboxResult.layers`` says what held for a run. Where no jail can start (no user
+namespaces) ``jail="auto"`` falls back to the old process sandbox (``_process_sandbox.py``) and says
+so in ``layers``; ``jail="bwrap"`` refuses instead ("sandbox_error").
 
 Result protocol, and why a program cannot forge its score. The parent writes the payload (program,
 test INPUTS, a fresh random nonce) to the child's stdin; the child reads it and closes stdin before
-running the program. The child writes exactly one frame, ``<nonce> <json>`` with one entry per input
-(``{"ok": plain JSON value}`` or ``{"err": name}``), to a separate inherited file, not stdout. Then:
+running the program. The child writes exactly one frame, ``<nonce> <json>`` with one entry per
+input, to a separate inherited file, not stdout. Then:
 
 1. Expected outputs never leave the parent, and the score is computed in the parent by comparing the
-   decoded plain JSON (exact types: ``True`` is not ``1``). Whatever the program does in its own
-   process, the most it can do is choose the outputs it reports — which is what an honest answer
-   does; it cannot report "passed".
-2. Printing a fake frame to stdout does nothing: stdout is not read for results. A frame in the result
-   file counts only if the file is exactly one line starting with the nonce and holding exactly one
-   entry per input; anything else is "protocol_error" (reward 0). The nonce is reachable only by
-   in-process introspection, which the audit hook blocks (frames, gc, ``__main__``); even a
-   program that got it could only claim outputs, per point 1.
-3. The program gets a copy of the builtins, so rebinding ``len`` or ``json`` internals of its own
-   cannot change how the harness serialises; outputs are converted to exact builtin types before
-   ``json.dumps`` so the parent never calls a method the program defined.
+   decoded values (exact types: ``True`` is not ``1``). The most a program can do is choose the
+   outputs it reports — which is what an honest answer does; it cannot report "passed".
+2. The frame is untrusted input (:mod:`areal_npu.agent.sandbox_protocol`): anything but exactly one
+   well-formed line with the nonce and one entry per input is "protocol_error" (reward 0), and
+   nothing a program writes can raise in the trainer.
+3. Stderr is read only when there is no frame (a crash), so printing "MemoryError" or a fake
+   frame changes nothing for a correct program.
 """
 
 from __future__ import annotations
@@ -47,21 +30,25 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
-import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_npu.agent import _process_sandbox
+from areal_npu.agent.jail import JailLimits, Mount, backend, interpreter
+from areal_npu.agent.sandbox_protocol import parse_frame, same_value, score
 from areal_npu.config import ConfigError
 
+__all__ = ["REASONS", "SandboxLimits", "SandboxResult", "grade_many", "run_tests", "same_value"]
+
 CHILD_SCRIPT = str(Path(__file__).with_name("_sandbox_child.py"))
+CHILD_IN_JAIL = "/grader/child.py"
 BLOCKED_EXIT = 86  # keep in step with _sandbox_child.BLOCKED_EXIT
+JAILS = ("auto", "bwrap", "process")
 REASONS = (
     "ok", "wrong_answer", "crash", "syntax_error", "no_program", "timeout", "memory", "output_limit",
     "blocked_syscall", "protocol_error", "sandbox_error",
@@ -70,7 +57,9 @@ REASONS = (
 
 @dataclass
 class SandboxLimits:
-    """Per-program limits. All tests of one program share them (one child process)."""
+    """Per-program limits. All tests of one program share them (one child process). In the jail,
+    ``cpu_seconds``, ``memory_bytes`` and ``max_processes`` hold for the program's whole process
+    tree (when a control group can be made; per process otherwise)."""
 
     cpu_seconds: int = 2
     wall_seconds: float = 10.0
@@ -79,8 +68,9 @@ class SandboxLimits:
     max_processes: int = 8
     max_open_files: int = 64
     audit_hook: bool = True
-    drop_privileges: bool = True  # only when running as root
-    uid_base: int = 1_560_000  # sandbox uids are uid_base + slot; nothing else should use them
+    jail: str = "auto"  # "bwrap" | "process" (the old, weaker sandbox) | "auto" (bwrap if it starts)
+    drop_privileges: bool = True  # "process" jail only, when running as root
+    uid_base: int = 1_560_000  # "process" jail only: its uids are uid_base + slot
     stderr_tail_bytes: int = 2048
 
     def validate(self) -> None:
@@ -95,6 +85,8 @@ class SandboxLimits:
             raise ConfigError("wall_seconds", f"must be > 0; got {self.wall_seconds!r}")
         if self.uid_base < 1000:
             raise ConfigError("uid_base", f"must be >= 1000 (not a system uid); got {self.uid_base}")
+        if self.jail not in JAILS:
+            raise ConfigError("jail", f"must be one of {', '.join(JAILS)}; got {self.jail!r}")
 
 
 @dataclass
@@ -110,229 +102,148 @@ class SandboxResult:
         return self.passed / self.total if self.total else 0.0
 
 
-class _Slots:
-    """Small integers handed to concurrent runs, so each gets a uid no other live run uses."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: set[int] = set()
-        self._next = 0
-
-    def acquire(self) -> int:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            self._next += 1
-            return self._next - 1
-
-    def release(self, slot: int) -> None:
-        with self._lock:
-            self._free.add(slot)
-
-
-_SLOTS = _Slots()
-
-
-def same_value(got: Any, expected: Any) -> bool:
-    """Exact structural equality on plain JSON data: types must match (``True`` != ``1``, ``1.0`` != ``1``)."""
-    if type(got) is not type(expected):
-        return False
-    if isinstance(expected, list):
-        return len(got) == len(expected) and all(same_value(g, e) for g, e in zip(got, expected))
-    return got == expected
-
-
-def _uid_processes(uid: int) -> list[int]:
-    """Live (not zombie) processes whose real uid is ``uid``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status", "rb") as fh:
-                state = b""
-                for line in fh:
-                    if line.startswith(b"State:"):
-                        state = line.split()[1]
-                    elif line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid and state not in (b"Z", b"X"):
-                            pids.append(int(entry))
-                        break
-        except (OSError, ValueError, IndexError):
-            continue
-    return pids
-
-
-def _kill_everything(pgid: int, uid: int | None) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if uid is None:
-        return
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:  # a fork bomb races us; RLIMIT_NPROC keeps the race short
-        pids = _uid_processes(uid)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.005)
+def resolve_jail(name: str) -> tuple[str, str]:
+    """``(jail actually used, why it differs)``: "auto" is "bwrap" when a jail starts here."""
+    if name == "process":
+        return "process", ""
+    ok, why = backend("bwrap").available()
+    if ok:
+        return "bwrap", ""
+    if name == "bwrap":
+        return "unavailable", why
+    warnings.warn(f"sandbox: no jail here ({why}); grading in the weaker process sandbox", stacklevel=3)
+    return "process", why
 
 
 def _tail(path: Path, n: int) -> str:
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - n))
+            fh.seek(max(0, fh.tell() - n))
             return fh.read(n).decode("utf-8", "replace")
     except OSError:
         return ""
 
 
-def _parse_frame(raw: bytes, nonce: str, n_inputs: int) -> dict | None:
-    prefix = nonce.encode() + b" "
-    if not raw.startswith(prefix) or not raw.endswith(b"\n") or raw.count(b"\n") != 1:
-        return None
-    try:
-        frame = json.loads(raw[len(prefix) :])
-    except ValueError:
-        return None
-    if not isinstance(frame, dict) or not isinstance(frame.get("results"), list):
-        return None
-    results = frame["results"]
-    reason = frame.get("reason", "")
-    if reason not in ("", "syntax_error", "crash", "memory"):
-        return None
-    if not reason and len(results) != n_inputs:
-        return None
-    if not all(isinstance(r, dict) and len(r) == 1 and ("ok" in r or "err" in r) for r in results):
-        return None
-    return frame
-
-
 def run_tests(
-    program: str, tests: Sequence[tuple[Any, Any]], limits: SandboxLimits | None = None
+    program: str,
+    tests: Sequence[tuple[Any, Any]],
+    limits: SandboxLimits | None = None,
+    mounts: Sequence[Mount] = (),
+    sys_path: Sequence[str] = (),
 ) -> SandboxResult:
     """Run ``program`` (Python source defining ``f``) on every ``(input, expected)`` in one sandboxed
-    child; ``passed`` counts exact matches of ``f(input)`` against ``expected``. Never raises for
-    anything the program does; infrastructure failures give reason "sandbox_error"."""
+    child; ``passed`` counts exact matches of ``f(input)`` against ``expected``. ``mounts`` (jail
+    only) are extra read-only paths, ``sys_path`` entries the child puts first on ``sys.path``.
+    Never raises for anything the program does; infrastructure failures are "sandbox_error"."""
     limits = limits or SandboxLimits()
     limits.validate()
     total = len(tests)
     if not program.strip():
         return SandboxResult(0, total, "no_program")
-    slot = _SLOTS.acquire()
-    privileged = limits.drop_privileges and os.geteuid() == 0
-    uid = limits.uid_base + slot if privileged else None
-    private = Path(tempfile.mkdtemp(prefix="areal-sbx-io-"))  # 0700, parent's own: payload and captures
-    workdir = Path(tempfile.mkdtemp(prefix="areal-sbx-wd-"))
+    jail, why = resolve_jail(limits.jail)
+    if jail == "unavailable":
+        return SandboxResult(0, total, "sandbox_error", stderr_tail=why)
+    private = Path(tempfile.mkdtemp(prefix="areal-sbx-io-"))  # 0700, the parent's own
+    workdir = Path(tempfile.mkdtemp(prefix="areal-sbx-wd-")) if jail == "process" else None
+    slot = _process_sandbox.SLOTS.acquire() if jail == "process" else None
+    uid = (
+        limits.uid_base + slot if slot is not None and limits.drop_privileges and os.geteuid() == 0 else None
+    )
     nonce = secrets.token_hex(16)
+    paths = {name: private / name for name in ("payload", "result", "stdout", "stderr")}
     try:
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-        result_path, out_path, err_path = private / "result", private / "stdout", private / "stderr"
-        result_fd = os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        payload = {
-            "program": program,
-            "inputs": [inp for inp, _ in tests],
-            "nonce": nonce,
-            "result_fd": result_fd,
-            "uid": uid,
-            "gid": uid,
-            "audit": limits.audit_hook,
-            "limits": {
-                "cpu_seconds": int(limits.cpu_seconds),
-                "memory_bytes": int(limits.memory_bytes),
-                "output_bytes": int(limits.output_bytes),
-                "max_processes": int(limits.max_processes),
-                "max_open_files": int(limits.max_open_files),
-            },
-        }
-        (private / "payload").write_text(json.dumps(payload))
-        env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "TMPDIR": str(workdir), "HOME": str(workdir)}
+        result_fd = os.open(paths["result"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            with (
-                open(private / "payload", "rb") as stdin,
-                open(out_path, "wb") as out,
-                open(err_path, "wb") as err,
-            ):
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-B", CHILD_SCRIPT],
-                    stdin=stdin,
-                    stdout=out,
-                    stderr=err,
-                    cwd=workdir,
-                    env=env,
-                    close_fds=True,
-                    pass_fds=(result_fd,),
-                    start_new_session=True,
-                )
+            payload = {
+                "program": program, "inputs": [inp for inp, _ in tests], "nonce": nonce,
+                "result_fd": result_fd, "uid": uid, "gid": uid, "audit": limits.audit_hook,
+                "jailed": jail == "bwrap", "sys_path": list(sys_path),
+                "limits": {name: int(getattr(limits, name)) for name in (
+                    "cpu_seconds", "memory_bytes", "output_bytes", "max_processes", "max_open_files")},
+            }  # fmt: skip
+            paths["payload"].write_text(json.dumps(payload))
+            with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
+                if jail == "bwrap":
+                    exit_code, sig, timed_out, oom, layers = _run_in_jail(paths["payload"], out, err,
+                                                                          result_fd, limits, mounts)  # fmt: skip
+                else:
+                    exit_code, sig, timed_out = _process_sandbox.run_child(
+                        CHILD_SCRIPT, paths["payload"], out, err, workdir, result_fd, uid, limits.wall_seconds
+                    )
+                    oom, layers = False, ("process_sandbox",) + ((f"no_jail: {why}",) if why else ())
         finally:
             os.close(result_fd)
-        timed_out = False
-        try:
-            proc.wait(timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        _kill_everything(proc.pid, uid)
-        proc.wait()
-        return _judge(proc.returncode, timed_out, result_path, out_path, err_path, nonce, tests, limits)
-    except OSError as exc:
+        return _judge(exit_code, sig, timed_out, oom, layers, paths, nonce, tests, limits)
+    except Exception as exc:  # noqa: BLE001 - the trainer must get a verdict, never an exception
         return SandboxResult(0, total, "sandbox_error", stderr_tail=f"{type(exc).__name__}: {exc}")
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(private, ignore_errors=True)
-        _SLOTS.release(slot)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if slot is not None:
+            _process_sandbox.SLOTS.release(slot)
 
 
-def _judge(returncode, timed_out, result_path, out_path, err_path, nonce, tests, limits) -> SandboxResult:
+def _run_in_jail(payload_path, out, err, result_fd, limits, mounts):
+    jail_limits = JailLimits(
+        wall_seconds=limits.wall_seconds,
+        cpu_seconds=limits.cpu_seconds + 1,  # the child's own RLIMIT_CPU fires first for one process
+        memory_bytes=limits.memory_bytes,
+        max_processes=limits.max_processes,
+        file_bytes=limits.output_bytes,
+        max_open_files=limits.max_open_files,
+        tmp_bytes=max(limits.output_bytes, 8 << 20),
+    )
+    argv = [interpreter(), "-I", "-S", "-B", CHILD_IN_JAIL]
+    all_mounts = [Mount(Path(CHILD_SCRIPT), CHILD_IN_JAIL), *mounts]
+    with open(payload_path, "rb") as stdin:
+        res = backend("bwrap").run(argv, all_mounts, jail_limits, cwd="/tmp", stdin=stdin, stdout=out,
+                                   stderr=err, pass_fds=(result_fd,))  # fmt: skip
+    if res.error:
+        raise RuntimeError(f"jail failed to start: {res.error}")
+    timed_out = res.timed_out or res.cpu_exceeded
+    return res.exit_code, res.signal, timed_out, res.oom, res.layers
+
+
+def _judge(exit_code, sig, timed_out, oom, layers, paths, nonce, tests, limits) -> SandboxResult:
     total = len(tests)
-    stderr_tail = _tail(err_path, limits.stderr_tail_bytes)
+    stderr_tail = _tail(paths["stderr"], limits.stderr_tail_bytes)
 
-    def fail(reason: str, layers=()) -> SandboxResult:
-        return SandboxResult(0, total, reason, stderr_tail, tuple(layers))
+    def fail(reason: str, extra=()) -> SandboxResult:
+        return SandboxResult(0, total, reason, stderr_tail, tuple(layers) + tuple(extra))
 
-    if timed_out or returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-        return fail("timeout")
-    if returncode == -signal.SIGXFSZ:
-        return fail("output_limit")
-    if returncode == BLOCKED_EXIT:
-        return fail("blocked_syscall")
-    big_output = any(p.stat().st_size >= limits.output_bytes for p in (out_path, err_path))
-    if big_output:
-        return fail("output_limit")
-    if "MemoryError" in stderr_tail:
+    if oom:
         return fail("memory")
-    size = result_path.stat().st_size
-    raw = b"" if size > 4 * limits.output_bytes * max(1, total) else result_path.read_bytes()
-    frame = _parse_frame(raw, nonce, total) if returncode == 0 else None
+    if timed_out or sig in (signal.SIGXCPU, signal.SIGKILL):
+        return fail("timeout")
+    if sig == signal.SIGXFSZ:
+        return fail("output_limit")
+    if exit_code == BLOCKED_EXIT:
+        return fail("blocked_syscall")
+    if any(paths[p].stat().st_size >= limits.output_bytes for p in ("stdout", "stderr")):
+        return fail("output_limit")
+    size = paths["result"].stat().st_size
+    raw = b"" if size > 4 * limits.output_bytes * max(1, total) + 4096 else paths["result"].read_bytes()
+    frame = parse_frame(raw, nonce, total) if exit_code == 0 else None
     if frame is None:
-        return fail("crash" if returncode != 0 and not raw else "protocol_error")
-    layers = tuple(str(x) for x in frame.get("layers", ()))[:16]
+        if exit_code != 0 and not raw:  # the child died without a word: only now is stderr a clue
+            return fail("memory" if "MemoryError" in stderr_tail else "crash")
+        return fail("protocol_error")
+    child_layers = tuple(x for x in frame["layers"] if x not in layers)
     if frame["reason"]:
-        return fail(frame["reason"], layers)
-    passed, errors = 0, []
-    for entry, (_, expected) in zip(frame["results"], tests):
-        if "ok" in entry and same_value(entry["ok"], expected):
-            passed += 1
-        elif "err" in entry:
-            errors.append(str(entry["err"]))
-    if passed == total:
-        reason = "ok"
-    elif "MemoryError" in errors:
-        reason = "memory"
-    elif "OutputTooLong" in errors:
-        reason = "output_limit"
-    elif errors and not passed and len(errors) == total:
-        reason = "crash"
-    else:
-        reason = "wrong_answer"
-    return SandboxResult(passed, total, reason, stderr_tail, layers)
+        return fail(frame["reason"], child_layers)
+    passed, reason = score(frame, tests)
+    return SandboxResult(passed, total, reason, stderr_tail, tuple(layers) + child_layers)
+
+
+def _run_guarded(program, tests, limits) -> SandboxResult:
+    try:
+        return run_tests(program, tests, limits)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one bad item must not take the batch (or the run) down
+        return SandboxResult(0, len(tests), "sandbox_error", stderr_tail=f"{type(exc).__name__}: {exc}")
 
 
 def grade_many(
@@ -347,4 +258,4 @@ def grade_many(
     if not items:
         return []
     with ThreadPoolExecutor(max_workers=min(max_workers, len(items)), thread_name_prefix="sandbox") as pool:
-        return list(pool.map(lambda item: run_tests(item[0], item[1], limits), items))
+        return list(pool.map(lambda item: _run_guarded(item[0], item[1], limits), items))

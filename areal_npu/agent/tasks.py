@@ -176,8 +176,14 @@ def make_dataset(
     n: int, seed: int, level: str = "easy", n_examples: int = 3, n_tests: int = 5, families=()
 ) -> list[Task]:
     """``n`` tasks, a pure function of the arguments (its own ``random.Random``, never the global one)."""
-    TaskConfig(n_train=max(n, 1), seed=seed, level=level, n_examples=n_examples, n_tests=n_tests,
-               families=list(families)).validate()
+    TaskConfig(
+        n_train=max(n, 1),
+        seed=seed,
+        level=level,
+        n_examples=n_examples,
+        n_tests=n_tests,
+        families=list(families),
+    ).validate()
     rng = random.Random(f"areal-npu-program-tasks/{level}/{seed}")
     return [_make_task(rng, level, n_examples, n_tests, families) for _ in range(n)]
 
@@ -187,7 +193,9 @@ def make_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
     cfg.validate()
     train = make_dataset(cfg.n_train, cfg.seed, cfg.level, cfg.n_examples, cfg.n_tests, cfg.families)
     seen = {format_prompt(t) for t in train}
-    pool = make_dataset(4 * cfg.n_eval + 64, cfg.seed + 1_000_003, cfg.level, cfg.n_examples, cfg.n_tests, cfg.families)
+    pool = make_dataset(
+        4 * cfg.n_eval + 64, cfg.seed + 1_000_003, cfg.level, cfg.n_examples, cfg.n_tests, cfg.families
+    )
     return train, [t for t in pool if format_prompt(t) not in seen][: cfg.n_eval]
 
 
@@ -198,8 +206,12 @@ def format_prompt(task: Task) -> str:
 
 
 def extract_program(completion_text: str) -> str:
-    """The answer expression: the completion up to the first newline or end marker, stripped."""
-    text = completion_text
+    """The answer expression: the completion up to the first line break or end marker, stripped.
+
+    Every line break ``str.splitlines`` knows ends the line (``\r``, ``\f``, ``\x1c``...), not just
+    ``\n``: Python's tokenizer reads a bare ``\r`` as a newline, so cutting at ``\n`` only would let
+    a "one-line" answer carry more statements."""
+    text = completion_text.splitlines()[0] if completion_text else ""
     for marker in STOP_MARKERS:
         text = text.split(marker, 1)[0]
     text = text.strip()

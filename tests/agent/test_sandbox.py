@@ -9,11 +9,16 @@ import psutil
 import pytest
 
 from areal_npu.agent import sandbox
+from areal_npu.agent.jail import backend
 from areal_npu.agent.reward import reward, reward_many, reward_stats
 from areal_npu.agent.sandbox import REASONS, SandboxLimits, grade_many, run_tests
 from areal_npu.agent.tasks import LEVELS, make_dataset, to_program
 
 ROOT = os.geteuid() == 0
+JAIL_OK, JAIL_WHY = backend("bwrap").available()
+CGROUP = JAIL_OK and any(
+    x.startswith("cgroup_") for x in run_tests("def f(x):\n    return x\n", [(1, 1)]).layers
+)
 LIMITS = SandboxLimits(cpu_seconds=1, wall_seconds=10, memory_bytes=256 << 20, output_bytes=8192)
 NO_AUDIT = SandboxLimits(**{**LIMITS.__dict__, "audit_hook": False})
 TESTS = [(1, 3), (2, 5), (3, 7)]  # f(x) = 2*x+1
@@ -78,9 +83,11 @@ def test_exact_types_are_compared():
 
 def test_layers_reported():
     layers = _run("    return 2*x+1").layers
-    assert {"clean_env", "workdir", "new_session", "rlimits", "audit_hook"} <= set(layers)
-    if ROOT:
-        assert {"uid", "netns"} <= set(layers)
+    assert {"clean_env", "rlimits", "audit_hook"} <= set(layers)
+    if JAIL_OK:
+        assert {"bwrap", "userns", "pidns", "netns", "mountns", "no_new_privs", "caps_dropped"} <= set(layers)
+    else:
+        assert "process_sandbox" in layers
 
 
 @pytest.mark.parametrize("limits", [LIMITS, NO_AUDIT], ids=["audit", "kernel_only"])
@@ -113,14 +120,19 @@ def test_fork_bomb_audit_layer():
     assert (res.passed, res.reason) == (0, "blocked_syscall")
 
 
-@pytest.mark.skipif(not ROOT, reason="RLIMIT_NPROC holds only for the dropped uid (root parent)")
+@pytest.mark.skipif(
+    not (JAIL_OK and CGROUP) and not ROOT,
+    reason="the process count is capped by the jail's pids cgroup, or RLIMIT_NPROC of a dropped uid",
+)
 def test_fork_bomb_kernel_layers():
     body = "    import os\n    while True:\n        try:\n            os.fork()\n        except OSError:\n            pass"
     res = _run(body, SandboxLimits(**{**NO_AUDIT.__dict__, "wall_seconds": 3}))
     assert (res.passed, res.reason) == (0, "timeout")  # the fixture checks that nothing survived
 
 
-@pytest.mark.skipif(not ROOT, reason="kills by uid need the dropped uid")
+@pytest.mark.skipif(
+    not JAIL_OK and not ROOT, reason="needs the jail's PID namespace or kills by a dropped uid"
+)
 def test_escaped_grandchildren_are_killed():
     body = "    import os, time\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(600)\n    return 2*x+1"
     res = _run(body, NO_AUDIT, tests=[(1, 3)])
@@ -157,10 +169,11 @@ def test_network_namespace_has_no_route():
 def test_writes_outside_the_workdir(tmp_path):
     target = tmp_path / "pwned"
     body = f"    open({str(target)!r}, 'w').write('x')\n    return 2*x+1"
-    assert _run(body).reason == "blocked_syscall"
+    # the audit hook blocks it, or (in the jail, where /tmp is private) the path does not exist there
+    assert _run(body).reason in ("blocked_syscall", "crash")
     assert not target.exists()
-    if ROOT:
-        assert _run(body, NO_AUDIT).reason == "crash"  # the dropped uid cannot write there
+    if ROOT or JAIL_OK:
+        assert _run(body, NO_AUDIT).reason == "crash"  # not in the jail's view / the dropped uid cannot write
         assert not target.exists()
     inside = "    open('scratch.txt', 'w').write('ok')\n    return 2*x+1"
     assert _run(inside).reason == "ok"
@@ -173,7 +186,7 @@ def test_parent_environment_is_invisible(monkeypatch):
     assert (res.passed, res.reason) == (0, "wrong_answer")
     proc = "    import os\n    return open('/proc/%d/environ' % os.getppid()).read().split('AREAL_TEST_SECRET=')[1][:18]"
     assert _run(proc, tests=[(0, secret)]).reason == "blocked_syscall"
-    if ROOT:
+    if ROOT or JAIL_OK:
         res = _run(proc, NO_AUDIT, tests=[(0, secret)])
         assert (res.passed, res.reason) == (0, "crash")
 
@@ -255,7 +268,13 @@ def test_reward_single_and_stats():
 
 
 def test_limits_validation():
-    for field, value in [("cpu_seconds", 0), ("memory_bytes", 1 << 20), ("wall_seconds", 0), ("uid_base", 0)]:
+    for field, value in [
+        ("cpu_seconds", 0),
+        ("memory_bytes", 1 << 20),
+        ("wall_seconds", 0),
+        ("uid_base", 0),
+        ("jail", "docker"),
+    ]:
         with pytest.raises(ValueError, match=f"^{field}"):
             SandboxLimits(**{field: value}).validate()
     SandboxLimits().validate()
