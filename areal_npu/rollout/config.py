@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from areal_npu.config import ConfigError
@@ -262,6 +263,10 @@ class RolloutConfig:
         from areal_npu.compat import vllm023_gdn_state
 
         args += vllm023_gdn_state.engine_args(self.device_type(), self.extra_engine_args)
+        if "limit_mm_per_prompt" not in self.extra_engine_args and is_multimodal_checkpoint(self.model):
+            # Rollouts are text only: vLLM then builds no vision encoder and reserves no memory for
+            # it, and the vision tower is neither trained nor synced (areal_npu/model/layout.py).
+            args += ["--limit-mm-per-prompt", json.dumps(TEXT_ONLY_MM_LIMITS)]
         for key, value in self.extra_engine_args.items():
             flag = "--" + key.replace("_", "-")
             if value is True:
@@ -291,6 +296,20 @@ class RolloutConfig:
         data = dict(data)
         spec = SpecConfig(**data.pop("spec", {}))
         return cls(**data, spec=spec)
+
+
+#: What a multimodal checkpoint (Qwen3.5/3.6 as published) is served with: no images, no videos.
+TEXT_ONLY_MM_LIMITS = {"image": 0, "video": 0}
+
+
+def is_multimodal_checkpoint(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds a multimodal outer config (``text_config`` + ``vision_config``),
+    the layout Qwen3.5/3.6 are published in; False when there is no readable config.json."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config.get("text_config"), dict) and isinstance(config.get("vision_config"), dict)
 
 
 def python_executable() -> str:

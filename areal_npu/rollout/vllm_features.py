@@ -28,6 +28,8 @@ time with the version named, or given a 0.23 path -- never accepted and ignored)
 * ``draft_weight_transfer`` -- ``start_draft_weight_update`` of vLLM's weight-transfer engines: on
   0.23 they load into the target model only, so the drafter's ``mtp.*`` tensors go through the
   ``rpc`` buckets in the same paused session (``transports.py``).
+* ``cpu_hybrid_speculation`` -- 0.23's CPU Gated DeltaNet kernel asserts "speculative decode not
+  supported": speculation on a hybrid model is refused on the CPU with 0.23 (``recipe.py``).
 * ``trainer_weight_transfer`` -- the trainer-side engine classes ``transports.py`` drives
   (``NCCLTrainerWeightTransferEngine``, ``IPCTrainerWeightTransferEngine``): ``weight_transport``
   ``nccl`` / ``cuda_ipc`` are refused on 0.23 (its engines have another trainer API).
@@ -83,6 +85,15 @@ def _dataclass_field(module: str, cls: str, name: str) -> bool:
     except (ImportError, AttributeError):
         return False
     return name in {f.name for f in dataclasses.fields(obj)}
+
+
+def _source(module: str) -> str:
+    """The source text of ``module`` ("" when it does not exist), read without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return ""
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()
 
 
 def _pause_keep() -> bool:
@@ -161,6 +172,12 @@ FEATURES: dict[str, Feature] = {
         "vllm.triton_utils.dispatcher.register_kernels (CPU kernel overrides; compat/vllm_cpu_sampling.py)",
         lambda: _has("vllm.triton_utils.dispatcher", "register_kernels"),
     ),
+    "cpu_hybrid_speculation": Feature(
+        (0, 32, 0),
+        "speculative decoding on hybrid (Gated DeltaNet) models on the CPU (0.23's CPU GDN kernel refuses it)",
+        lambda: "speculative decode not supported in CPU GDN attention"
+        not in _source("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"),
+    ),
 }
 
 
@@ -172,6 +189,7 @@ ROLLOUT_OPTIONS: dict[str, tuple[str, ...]] = {
     "per-request acceptance summaries (samples' spec)": ("per_request_spec_metrics",),
     "weight_transport nccl / cuda_ipc": ("weight_transfer_config", "trainer_weight_transfer"),
     "weight_transport hccl / npu_ipc (vLLM-Ascend; drafter by rpc buckets)": ("weight_transfer_config",),
+    "MTP speculation on a hybrid (Gated DeltaNet) model on the CPU": ("cpu_hybrid_speculation",),
 }
 
 

@@ -39,6 +39,7 @@ SEEN_0_23 = {
     "qwen3_5_text_class": False,
     "client_error_class": False,
     "cpu_kernel_registry": False,
+    "cpu_hybrid_speculation": False,  # model_executor/layers/mamba/ops/cpu/gdn_attention.py asserts
 }
 SEEN_0_32 = dict.fromkeys(SEEN_0_23, True)
 
