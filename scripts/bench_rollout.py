@@ -54,23 +54,27 @@ from areal_npu.rollout.launcher import EngineProcess
 from areal_npu.rollout.metrics import counter_delta, spec_stats
 
 
-def build_trained(out: Path, steps: int, depths: int) -> tuple[Path, list[list[int]], dict]:
+def build_trained(out: Path, steps: int, depths: int, layout: str) -> tuple[Path, list[list[int]], dict]:
     import torch
+    from transformers import AutoTokenizer
 
+    from areal_npu.model.layout import load_for_training
     from areal_npu.model.mtp import MTPConfig
     from areal_npu.model.mtp_checkpoint import save_model_with_mtp
-    from areal_npu.model.tiny import TinyModelConfig, build_tiny_model
+    from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
     from areal_npu.model.warmstart import evaluate_mtp, pattern_corpus, sft_warm_start
 
     torch.manual_seed(0)
-    model, mtp, tokenizer = build_tiny_model(TinyModelConfig())
+    cfg = MTPConfig(enabled=True, num_depths=depths)
+    init = save_tiny_model(out.parent / f"init-{layout}", TinyModelConfig(layout=layout))
+    model, mtp, checkpoint_layout = load_for_training(init, cfg)
+    tokenizer = AutoTokenizer.from_pretrained(init)
     corpus = pattern_corpus(64, length=64, seed=0)
     batches = [corpus[i : i + 8] for i in range(0, len(corpus), 8)]
-    cfg = MTPConfig(enabled=True, num_depths=depths)
     start = time.perf_counter()
     history = sft_warm_start(model, mtp, batches, steps, cfg, log_every=max(steps, 1))
     evaluation = evaluate_mtp(model, mtp, batches[:2], num_depths=depths)
-    path = save_model_with_mtp(model, mtp, out, tokenizer)
+    path = save_model_with_mtp(model, mtp, out, tokenizer, layout=checkpoint_layout)
     prompts = [c[:16].tolist() for c in pattern_corpus(64, length=16, seed=1)]
     info = {
         "train_steps": steps,
@@ -81,16 +85,18 @@ def build_trained(out: Path, steps: int, depths: int) -> tuple[Path, list[list[i
     return path, prompts, info
 
 
-def build_model(head: str, out: Path, steps: int, depths: int) -> tuple[str, Path, list[list[int]], dict]:
+def build_model(
+    head: str, out: Path, steps: int, depths: int, layout: str = "text"
+) -> tuple[str, Path, list[list[int]], dict]:
     rng = random.Random(0)
     byte_prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(64)]
     if head == "trained":
-        cached = out / f"trained-{steps}-{depths}.json"
+        cached = out / f"trained-{layout}-{steps}-{depths}.json"
         if cached.is_file():
             info = json.loads(cached.read_text())
             return "trained", Path(info.pop("path")), info.pop("prompts"), info
         try:
-            path, prompts, info = build_trained(out / f"trained-{steps}-{depths}", steps, depths)
+            path, prompts, info = build_trained(out / f"trained-{layout}-{steps}-{depths}", steps, depths, layout)
             cached.write_text(json.dumps({**info, "path": str(path), "prompts": prompts}))
             return "trained", path, prompts, info
         except Exception as exc:  # noqa: BLE001 - fall back, and say so
@@ -166,6 +172,11 @@ def main(argv=None) -> int:
         "--quick", action="store_true", help="fewer tokens and training steps (a few minutes)"
     )
     parser.add_argument("--head", choices=("trained", "oracle", "random"), default="trained")
+    parser.add_argument(
+        "--layout", choices=("auto", "text", "published"), default="auto",
+        help="checkpoint layout of the trained head; auto: text where this vLLM serves Qwen3_5ForCausalLM "
+        "(0.32), else the published multimodal layout (0.23)",
+    )  # fmt: skip
     parser.add_argument("--ks", default="0,1,2,3,4", help="draft lengths; 0 = autoregressive baseline")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--max-tokens", type=int, default=0, help="default 256 (64 with --quick)")
@@ -192,12 +203,19 @@ def main(argv=None) -> int:
     if 0 not in ks:
         ks = [0, *ks]
 
+    from areal_npu.rollout import vllm_features
+
+    layout = args.layout
+    if layout == "auto":
+        layout = "text" if vllm_features.has("qwen3_5_text_class") else "published"
+    if layout == "published" and args.head != "trained":
+        parser.error("--layout published: only --head trained builds a published-layout checkpoint")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-rollout-"))
-    head, model_dir, prompts, head_info = build_model(args.head, work, steps, depths=max(ks))
-    print(f"[bench] head={head} model={model_dir} {json.dumps(head_info)}", flush=True)
+    head, model_dir, prompts, head_info = build_model(args.head, work, steps, depths=max(ks), layout=layout)
+    print(f"[bench] head={head} layout={layout} model={model_dir} {json.dumps(head_info)}", flush=True)
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(model_dir)
+    hf = AutoConfig.from_pretrained(model_dir).get_text_config()
     draft_cost = getattr(hf, "mtp_num_hidden_layers", 1) / hf.num_hidden_layers
 
     rows = []
@@ -224,6 +242,8 @@ def main(argv=None) -> int:
     print_table(rows, head, max_tokens, args.temperature, draft_cost)
     if args.json:
         payload = {
+            "vllm": vllm_features.installed_version(),
+            "layout": layout,
             "head": head,
             "head_info": head_info,
             "model": {"hidden": hf.hidden_size, "layers": hf.num_hidden_layers, "vocab": hf.vocab_size},
