@@ -26,12 +26,19 @@ import torch
 from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
 
 
+def _text_prefix(tensors: dict[str, torch.Tensor]) -> str:
+    """The language model's name prefix: ``model.`` (text layout) or ``model.language_model.`` (published)."""
+    return "model.language_model." if any(k.startswith("model.language_model.") for k in tensors) else "model."
+
+
 def aligned_tensors(
     base: dict[str, torch.Tensor], residual_scale: float = 0.1, logit_scale: float = 40.0
 ) -> dict[str, torch.Tensor]:
     out = {k: v.clone() for k, v in base.items()}
+    text = _text_prefix(out)
+    residual = ("o_proj.weight", "down_proj.weight", "linear_attn.out_proj.weight")
     for name in out:
-        if name.startswith("model.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.startswith(text + "layers.") and name.endswith(residual):
             out[name] *= residual_scale
         if name.startswith("mtp.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
             out[name].zero_()
@@ -40,7 +47,7 @@ def aligned_tensors(
     fc = torch.zeros(hidden, 2 * hidden)
     fc[:, :hidden] = torch.eye(hidden)
     out["mtp.fc.weight"] = fc
-    out["mtp.norm.weight"] = out["model.norm.weight"].clone()
+    out["mtp.norm.weight"] = out[text + "norm.weight"].clone()
     return out
 
 
@@ -49,11 +56,12 @@ def flip_final_norm(
 ) -> dict[str, torch.Tensor]:
     """A new policy: random signs on the final norm's scale; the drafter's norm too when ``sync_draft``."""
     out = {k: v.clone() for k, v in tensors.items()}
+    text = _text_prefix(out)
     g = torch.Generator().manual_seed(seed)
-    signs = torch.where(torch.rand(out["model.norm.weight"].shape, generator=g) < 0.5, -1.0, 1.0)
-    out["model.norm.weight"] = signs - 1.0  # zero-centred: scale = 1 + w = sign
+    signs = torch.where(torch.rand(out[text + "norm.weight"].shape, generator=g) < 0.5, -1.0, 1.0)
+    out[text + "norm.weight"] = signs - 1.0  # zero-centred: scale = 1 + w = sign
     if sync_draft:
-        out["mtp.norm.weight"] = out["model.norm.weight"].clone()
+        out["mtp.norm.weight"] = out[text + "norm.weight"].clone()
     return out
 
 

@@ -21,8 +21,6 @@ import torch
 
 from areal_npu.rollout import reference, synthetic, vllm_features
 
-PUBLISHED_TEXT = "model.language_model."
-
 
 @dataclass
 class ServedModel:
@@ -32,10 +30,6 @@ class ServedModel:
     logprob_tol: float  # |vLLM raw log-prob - reference| per token
     policy_names: int  # tensors a full policy update sends (checkpoint names, mtp.* excluded)
     draft_names: int  # mtp.* tensors
-
-    @property
-    def norm_name(self) -> str:
-        return (PUBLISHED_TEXT if self.layout == "published" else "model.") + "norm.weight"
 
     def engine_kwargs(self) -> dict:
         extra = {"limit_mm_per_prompt": {"image": 0, "video": 0}} if self.layout == "published" else {}
@@ -52,38 +46,14 @@ class ServedModel:
         return model.float().eval()
 
     def flip_final_norm(self, tensors: dict[str, torch.Tensor], seed: int, sync_draft: bool = True):
-        """``synthetic.flip_final_norm`` on this layout's names: a new policy (random signs on the
-        final norm), the drafter's norm flipped along when ``sync_draft``."""
-        out = {k: v.clone() for k, v in tensors.items()}
-        g = torch.Generator().manual_seed(seed)
-        signs = torch.where(torch.rand(out[self.norm_name].shape, generator=g) < 0.5, -1.0, 1.0)
-        out[self.norm_name] = signs - 1.0
-        if sync_draft:
-            out["mtp.norm.weight"] = out[self.norm_name].clone()
-        return out
+        """A new policy (random signs on the final norm), the drafter's norm flipped along when
+        ``sync_draft`` -- :func:`synthetic.flip_final_norm`, which reads either layout's names."""
+        return synthetic.flip_final_norm(tensors, seed, sync_draft)
 
 
 def serves_text_layout() -> bool:
     """vLLM 0.32 serves ``Qwen3_5ForCausalLM``; 0.23 refuses it ("not supported for now")."""
     return vllm_features.has("qwen3_5_text_class")
-
-
-def _published_aligned(tensors: dict[str, torch.Tensor], residual_scale: float, logit_scale: float):
-    out = {k: v.clone() for k, v in tensors.items()}
-    for name in out:
-        if name.startswith(PUBLISHED_TEXT + "layers.") and name.endswith(
-            ("o_proj.weight", "down_proj.weight", "linear_attn.out_proj.weight")
-        ):
-            out[name] *= residual_scale
-        if name.startswith("mtp.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
-            out[name].zero_()
-    out["lm_head.weight"] *= logit_scale
-    hidden = out["mtp.fc.weight"].shape[0]
-    fc = torch.zeros(hidden, 2 * hidden)
-    fc[:, :hidden] = torch.eye(hidden)
-    out["mtp.fc.weight"] = fc
-    out["mtp.norm.weight"] = out[PUBLISHED_TEXT + "norm.weight"].clone()
-    return out
 
 
 def save_engine_model(out_dir: Path) -> ServedModel:
@@ -95,7 +65,7 @@ def save_engine_model(out_dir: Path) -> ServedModel:
         layout, dtype, tol = "text", "float32", 1e-4
     else:
         base = save_tiny_model(out_dir / "_base", TinyModelConfig(layout="published"))
-        tensors = _published_aligned(synthetic.load_tensors(base), residual_scale=0.1, logit_scale=40.0)
+        tensors = synthetic.aligned_tensors(synthetic.load_tensors(base), residual_scale=0.1, logit_scale=40.0)
         path = synthetic.save_tensors(out_dir / "model", base, tensors)
         layout, dtype, tol = "published", "float32", 1e-4
     names = synthetic.load_tensors(path)
