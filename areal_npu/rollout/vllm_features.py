@@ -10,8 +10,8 @@ assumed that was not seen. :func:`probe` checks the same features against the re
 vLLM: seconds), and the tests assert that the version-derived map equals the probe in each
 virtualenv they run in (``tests/rollout/test_vllm_features.py``).
 
-What 0.23 lacks, and what the rollout layer does about it (DESIGN invariant 9: refused at config
-time with the version named, or given a 0.23 path -- never accepted and ignored):
+What 0.23 lacks, and what the rollout layer does about it (each option is refused at config time
+with the version named, or given a 0.23 path -- never accepted and ignored):
 
 * ``entrypoints_launchers`` -- 0.32 moved the OpenAI server's building blocks into
   ``vllm.entrypoints.launchers``; 0.23 has them in ``vllm.entrypoints.openai.api_server``

@@ -43,7 +43,7 @@ class WeightSyncExtension:
     def _areal_draft_model(self):
         """The drafter's ``nn.Module`` (None without one). vLLM 0.32 exposes it as
         ``get_draft_model()``; 0.23 does not, and its weight-transfer engines load the target only
-        (REFERENCES.md), so we take it from the model runner's proposer, as 0.32's accessor does."""
+        (vLLM-Ascend 0.23 likewise), so we take it from the model runner's proposer, as 0.32's accessor does."""
         if vllm_features.has("draft_model_accessor"):
             return self.get_draft_model()
         drafter = getattr(self.model_runner, "drafter", None)  # absent when speculation is off

@@ -1,7 +1,7 @@
 """The published Qwen3.5/3.6 checkpoint layout: structure, loading for training, saving back.
 
 References: the structure of the published Qwen3.6-27B checkpoint written out below by hand (from
-docs/REFERENCES.md, shapes scaled down), transformers' own ``Qwen3_5ForConditionalGeneration``
+the published Qwen3.6-27B config, shapes scaled down), transformers' own ``Qwen3_5ForConditionalGeneration``
 (its state-dict keys, its ``from_pretrained`` and its forward on text), and vLLM's own name mapping
 for the VL class and its ``Qwen3_5MTP`` drafter.
 """
@@ -20,7 +20,7 @@ from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.mtp_checkpoint import load_model_with_mtp, save_model_with_mtp
 from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
 
-# Qwen3.6-27B as published (REFERENCES.md): 64 layers = 16 x (3 Gated DeltaNet + 1 full attention),
+# Qwen3.6-27B as published: 64 layers = 16 x (3 Gated DeltaNet + 1 full attention),
 # hidden 5120, 24 q / 4 kv heads of dim 256, vocab 248320, untied, gated attention output (q_proj
 # holds query and gate), partial rotary 0.25, one MTP layer. Scaled: 4 layers, hidden 64, 4 q / 2 kv
 # heads of dim 16, vocab 320.

@@ -2,7 +2,7 @@
 
 vLLM 0.32 (the CPU default) serves the text-layout tiny model (``Qwen3_5ForCausalLM``). vLLM 0.23
 -- the images' version -- serves Qwen3.5 only as ``Qwen3_5ForConditionalGeneration``, the
-published layout (REFERENCES.md; ``vllm_features`` ``qwen3_5_text_class``), so on 0.23 the tests
+published layout (``vllm_features`` ``qwen3_5_text_class``), so on 0.23 the tests
 serve the published tiny model (``areal_npu.model.tiny``, ``layout="published"``). Its layers are
 all full attention: 0.23's CPU Gated DeltaNet kernel refuses speculative decoding outright
 ("speculative decode not supported in CPU GDN attention"), so a hybrid cannot speculate there,
