@@ -6,6 +6,7 @@ Config errors exit with code 2 and one line naming the key, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -30,9 +31,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     from areal_npu.config import load_config, to_yaml
     from areal_npu.recipe import RLConfig
 
-    cfg = load_config(RLConfig, args.recipe, args.overrides)
+    _check_dry_run_flags(args)
+    from areal_npu.platform import described_device
+
+    # --device-kind: validate for the described machines (`device: auto` resolves to that kind)
+    with described_device(args.device_kind) if args.device_kind else contextlib.nullcontext():
+        cfg = load_config(RLConfig, args.recipe, args.overrides)
     if args.check:
         print(to_yaml(cfg), end="")
+        return 0
+    if args.dry_run:  # the placement plan; nothing is started, nothing written
+        from areal_npu import placement
+
+        kind = args.device_kind or cfg.device
+        cluster = placement.describe_cluster(kind, args.nodes, args.devices_per_node)
+        plan = placement.plan_recipe(cfg, cluster)
+        if args.json:
+            print(json.dumps(plan.to_dict(), indent=2))
+        else:
+            placement.render(plan)
         return 0
     from areal_npu.platform import use_device
     from areal_npu.run import run_rl
@@ -47,14 +64,48 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``train`` flags that describe the --dry-run plan; without --dry-run they would be ignored
+DRY_RUN_FLAGS = ("json", "nodes", "devices_per_node", "device_kind")
+
+
+def _check_dry_run_flags(args: argparse.Namespace) -> None:
+    given = [f"--{f.replace('_', '-')}" for f in DRY_RUN_FLAGS if getattr(args, f) not in (None, False)]
+    if given and not args.dry_run:
+        raise ConfigError(given[0], "describes the plan that --dry-run prints; add --dry-run")
+    if args.dry_run and (args.check or args.resume):
+        raise ConfigError("--dry-run", f"cannot be combined with {'--check' if args.check else '--resume'}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}")
+    return value
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Run ``scripts/bench_<name>.py`` of the source checkout this package is imported from.
+
+    The benchmarks are scripts, not part of the installed package (what they import -- the test
+    oracles and models of :mod:`areal_npu.testing` -- is): from an installed copy there is nothing
+    to run, and the error says where it looked.
+    """
     import subprocess
     from pathlib import Path
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    package = Path(__file__).resolve().parent
+    scripts = package.parent / "scripts"
     available = sorted(p.stem[len("bench_"):] for p in scripts.glob("bench_*.py"))
     if not available:
-        print("areal-npu bench: scripts/ not found (benchmarks run from a source checkout)", file=sys.stderr)
+        print(
+            f"areal-npu bench: no scripts/bench_*.py at {scripts}: the benchmarks run from a source "
+            f"checkout of areal-npu (this areal_npu is imported from {package}); install the checkout "
+            "with `pip install -e .` and run `areal-npu bench` from its environment",
+            file=sys.stderr,
+        )
         return EXIT_NOT_AVAILABLE
     if not args.name:
         print("benchmarks: " + ", ".join(available))
@@ -78,6 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
     p.add_argument("--check", action="store_true", help="validate the recipe, print it resolved, and exit")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, print the placement plan (process, node, devices, env, role) and exit without starting anything",
+    )
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    p.add_argument("--nodes", type=_positive_int, help="with --dry-run: plan for this many nodes (default 1)")
+    p.add_argument(
+        "--devices-per-node",
+        type=_positive_int,
+        help="with --dry-run: devices per node (A2: 8 NPUs, A3: 16 dies; CPU: cores); default: this machine's",
+    )
+    p.add_argument(
+        "--device-kind",
+        choices=("npu", "cuda", "cpu"),
+        help="with --dry-run: the nodes' devices; default: the recipe's device",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("report", help="plots and a markdown summary of a run directory")
@@ -86,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_arguments(p)
     p.set_defaults(func=report.run)
 
-    from areal_npu import plan_cli
+    from areal_npu.spec import plan_cli
 
     p = sub.add_parser("plan", help="step-time model and draft-length recommendation")
     plan_cli.add_arguments(p)

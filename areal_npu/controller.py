@@ -5,8 +5,8 @@
     trainer:    B groups -> GRPO advantages -> proximal log-probs -> decoupled PPO (+ MTP) step
                 -> push policy AND draft weights (pause, update, version+1, resume) -> metrics
 
-Phase times are measured every step: T_gen (waiting for the batch), T_prox, T_train, T_sync, and
-the reward time spent inside the workflows.
+Phase times are measured every step (:data:`areal_npu.names.PHASES`): T_gen (waiting for the
+batch), T_prox, T_train, T_sync; and the workflows' time (``reward``, a side phase).
 """
 
 from __future__ import annotations
@@ -15,41 +15,76 @@ import asyncio
 import random
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from areal_npu import names
 from areal_npu.agent.tasks import format_prompt
-from areal_npu.algo.advantages import grpo_advantages
-from areal_npu.data.trajectory import Trajectory, sft_sample, training_sample
-from areal_npu.recipe import RLConfig
+from areal_npu.algo.advantages import GRPOConfig, grpo_advantages
+from areal_npu.data.trajectory import Trajectory, training_sample
+from areal_npu.rollout.config import SpecConfig
 from areal_npu.staleness import StalenessGate
 
 
+@dataclass
+class ControllerConfig:
+    steps: int = 20  # RL training steps
+    batch_groups: int = 8  # prompt groups per step (each group_size trajectories)
+    max_staleness: int = 1  # 0: synchronous RL
+    max_concurrent_groups: int = 16
+    checkpoint_every: int = 5  # 0: only at the end
+    eval_every: int = 0  # held-out eval (one sample per prompt) every N steps, before step 0 and at the end; 0: off
+    eval_size: int = 128  # held-out prompts per eval (from the task's eval split)
+
+    def validate(self) -> None:
+        for key in ("steps", "batch_groups", "max_concurrent_groups"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0 (0 is synchronous RL)")
+        if self.checkpoint_every < 0:
+            raise ValueError("checkpoint_every must be >= 0")
+        if self.eval_every < 0 or self.eval_size < 1:
+            raise ValueError("eval_every must be >= 0 and eval_size >= 1")
+
+
 class RLController:
+    """``cfg`` is the loop's own config; ``spec`` the engines' speculative decoding (its
+    ``sync_draft`` already resolved by the recipe: whether weight pushes carry the drafter);
+    ``seed`` orders the tasks; ``weight_bucket_bytes`` sizes the weight-push buckets."""
+
     def __init__(
         self,
-        cfg: RLConfig,
+        cfg: ControllerConfig,
         engine,
         tokenizer,
         client,
         tasks: list,
         run_dir: Path,
         logger,
+        *,
+        spec: SpecConfig,
+        grpo: GRPOConfig,
+        seed: int,
+        weight_bucket_bytes: int,
         start_step: int = 0,
         eval_tasks: list | None = None,
     ):
         self.cfg = cfg
+        self.spec = spec
+        self.grpo = grpo
+        self.weight_bucket_bytes = weight_bucket_bytes
         self.engine = engine
         self.tokenizer = tokenizer
         self.client = client
         self.tasks = tasks
-        self.eval_tasks = (eval_tasks or [])[: cfg.controller.eval_size]
+        self.eval_tasks = (eval_tasks or [])[: cfg.eval_size]
         self.run_dir = run_dir
         self.logger = logger
         self.start_step = start_step
-        c = cfg.controller
-        self.gate = StalenessGate.resumed(c.batch_groups, c.max_staleness, start_step)
+        self.gate = StalenessGate.resumed(cfg.batch_groups, cfg.max_staleness, start_step)
         self.version = engine.version  # what the rollout engines serve
         self.buffer: deque = deque()
         self.buffer_event = asyncio.Event()
@@ -58,15 +93,13 @@ class RLController:
         self.failures = 0
         self.reward_time = 0.0
         self.order = list(range(len(tasks)))
-        random.Random(cfg.seed).shuffle(self.order)
-        self.next_task = start_step * c.batch_groups  # data position
-        spec = cfg.rollout.spec
-        # the drafter is updated only when it is our MTP head and that head trains
-        self.sync_draft = spec.enabled and spec.is_mtp and spec.sync_draft and cfg.mtp.enabled and cfg.mtp.train
+        random.Random(seed).shuffle(self.order)
+        self.next_task = start_step * cfg.batch_groups  # data position
+        self.sync_draft = spec.sync_draft
         self.last_named: list | None = None  # the last pushed weights, for engines that restart
         self.spec_driver = None
         if spec.enabled and spec.adaptive:
-            from areal_npu.rollout.adaptive import AdaptiveSpecDriver
+            from areal_npu.spec.adaptive import AdaptiveSpecDriver
 
             self.spec_driver = AdaptiveSpecDriver(
                 client, spec.adapt_config(), log=logger.print, decisions_path=run_dir / "spec_decisions.jsonl"
@@ -89,7 +122,7 @@ class RLController:
         self.buffer_event.set()
 
     async def produce(self, workflow) -> None:
-        limit = self.cfg.controller.max_concurrent_groups
+        limit = self.cfg.max_concurrent_groups
         while True:
             while self.gate.can_admit(self.version) and len(self.in_flight) < limit:
                 self.gate.admit()
@@ -108,7 +141,7 @@ class RLController:
     async def next_batch(self, step: int) -> tuple[list[list[Trajectory]], dict]:
         groups: list[list[Trajectory]] = []
         stale_dropped = 0
-        while len(groups) < self.cfg.controller.batch_groups:
+        while len(groups) < self.cfg.batch_groups:
             while not self.buffer:
                 self.buffer_event.clear()
                 await self.buffer_event.wait()
@@ -120,7 +153,7 @@ class RLController:
                 stale_dropped += 1
                 self.gate.drop()
             self.version_event.set()
-        return groups, {"staleness/dropped_groups": float(stale_dropped)}
+        return groups, {names.STALE_DROPPED_GROUPS: float(stale_dropped)}
 
     def _samples(self, groups: list[list[Trajectory]], step: int) -> tuple[list[dict], dict]:
         flat = [t for g in groups for t in g]
@@ -128,22 +161,26 @@ class RLController:
         sizes = {len(g) for g in groups}
         if len(sizes) != 1:
             raise RuntimeError(f"groups of unequal size {sorted(sizes)} at step {step}")
-        adv, adv_stats = grpo_advantages(rewards, sizes.pop(), std_normalize=self.cfg.grpo.std_normalize)
+        adv, adv_stats = grpo_advantages(rewards, sizes.pop(), std_normalize=self.grpo.std_normalize)
         lags = [step - v for t in flat for v, m in zip(t.versions, t.response_mask()) if m and v >= 0]
         reasons: dict[str, float] = {}
+        episode: dict[str, list[float]] = {}  # a workflow's per-episode numbers (meta["stats"])
         for t in flat:
-            key = f"reward/reason_{t.meta.get('reason', 'unknown')}"
+            key = names.reward_reason_key(t.meta.get("reason", "unknown"))
             reasons[key] = reasons.get(key, 0.0) + 1.0
+            for name, value in t.meta.get("stats", {}).items():
+                episode.setdefault(names.episode_key(name), []).append(float(value))
         stats = {
-            "reward/mean": float(rewards.mean()),
-            "reward/min": float(rewards.min()),
-            "reward/max": float(rewards.max()),
-            "reward/solved": float((rewards >= 1).float().mean()),
-            "staleness/max": float(max(lags, default=0)),
-            "staleness/mean": sum(lags) / max(1, len(lags)),
-            "rollout/response_len": sum(len(t.response_ids) for t in flat) / len(flat),
+            names.REWARD_MEAN: float(rewards.mean()),
+            names.REWARD_MIN: float(rewards.min()),
+            names.REWARD_MAX: float(rewards.max()),
+            names.REWARD_SOLVED: float((rewards >= 1).float().mean()),
+            names.STALENESS_MAX: float(max(lags, default=0)),
+            names.STALENESS_MEAN: sum(lags) / max(1, len(lags)),
+            names.RESPONSE_LEN: sum(len(t.response_ids) for t in flat) / len(flat),
             **{k: float(v) for k, v in adv_stats.items()},
             **reasons,
+            **{k: sum(v) / len(v) for k, v in episode.items()},
         }
         return [training_sample(t, float(a)) for t, a in zip(flat, adv)], stats
 
@@ -151,7 +188,7 @@ class RLController:
         start = time.perf_counter()
         named = [
             pair
-            for _, bucket in self.engine.export_buckets(self.cfg.rollout.weight_bucket_bytes)
+            for _, bucket in self.engine.export_buckets(self.weight_bucket_bytes)
             for pair in bucket
         ]
         await self.client.update_weights(named, self.engine.version, sync_draft=self.sync_draft)
@@ -161,27 +198,56 @@ class RLController:
         return time.perf_counter() - start
 
     async def evaluate(self, workflow) -> dict[str, float]:
-        """Mean reward of one sample per held-out prompt under the weights the engines serve now."""
+        """Mean reward of one sample (one episode) per held-out task under the weights the engines
+        serve now. A task whose generation or grading fails is counted in ``eval/failed`` and left
+        out of the means: an eval never stops the run. A workflow with ``eval_episode(task, client)``
+        (numbers by name, ``reward`` among them) runs its own episodes; each is logged as ``eval/<name>``."""
         if not self.eval_tasks:
             return {}
         start = time.perf_counter()
+        if hasattr(workflow, "eval_episode"):
+            episodes = (workflow.eval_episode(t, self.client) for t in self.eval_tasks)
+            results = list(await asyncio.gather(*episodes, return_exceptions=True))
+        else:
+            results = await self._eval_single_turn(workflow)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r  # cancellation is not an eval failure
+        failed = [r for r in results if isinstance(r, Exception)]
+        done = [r for r in results if not isinstance(r, Exception)]
+        if failed:
+            self.logger.print(f"eval: {len(failed)} of {len(results)} tasks failed, left out: {failed[0]}")
+        out = {names.EVAL_FAILED: float(len(failed)), names.timing_key("eval"): time.perf_counter() - start}
+        if done:
+            for name in done[0]:
+                out[names.eval_key(name)] = sum(float(r[name]) for r in done) / len(done)
+            out[names.EVAL_SOLVED] = sum(r["reward"] >= 1 for r in done) / len(done)
+        return out
+
+    async def _eval_single_turn(self, workflow) -> list:
+        """Per eval task ``{"reward": r}`` or the exception, for a workflow with sample() and grade()."""
         prompts = [workflow.encode(format_prompt(t)) for t in self.eval_tasks]
-        results = await asyncio.gather(*(workflow.sample(self.client, p, 1) for p in prompts))
-        graded = await workflow.grade(self.eval_tasks, [r[0] for r in results])
-        rewards = [r for r, _ in graded]
-        return {"eval/reward": sum(rewards) / len(rewards),
-                "eval/solved": sum(r >= 1 for r in rewards) / len(rewards),
-                "timing/eval_s": time.perf_counter() - start}
+        samples = (workflow.sample(self.client, p, 1) for p in prompts)
+        results: list = list(await asyncio.gather(*samples, return_exceptions=True))
+        ok = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
+        if ok:
+            try:
+                graded = await workflow.grade([self.eval_tasks[i] for i in ok], [results[i][0] for i in ok])
+            except Exception as exc:  # noqa: BLE001 - a broken grader fails this eval, not the run
+                graded = [exc] * len(ok)
+            for i, g in zip(ok, graded):
+                results[i] = g if isinstance(g, Exception) else {"reward": g[0]}
+        return results
 
     def _eval_due(self, step: int) -> bool:
-        every = self.cfg.controller.eval_every
-        return bool(every) and (step == 0 or (step + 1) % every == 0 or step + 1 == self.cfg.controller.steps)
+        every = self.cfg.eval_every
+        return bool(every) and (step == 0 or (step + 1) % every == 0 or step + 1 == self.cfg.steps)
 
     async def train(self, on_step=None, workflow=None) -> list[dict]:
-        from areal_npu.planner import live_perf_metrics
+        from areal_npu.spec.planner import live_perf_metrics
         from areal_npu.train.checkpoint import save_checkpoint
 
-        c = self.cfg.controller
+        c = self.cfg
         history = []
         if self.spec_driver is not None:
             await self.spec_driver.start()
@@ -205,28 +271,22 @@ class RLController:
             t3 = time.perf_counter()
             t_sync = await self.push_weights()
             stats.update(await self.client.step_metrics())
-            spec_k = self.cfg.rollout.spec.num_speculative_tokens if self.cfg.rollout.spec.enabled else 0
+            spec_k = self.spec.num_speculative_tokens if self.spec.enabled else 0
             if self.spec_driver is not None:
                 stats.update(await self.spec_driver.step(step, stats))
-                spec_k = int(stats["rollout/spec_k"])
-            timings = {
-                "timing/gen_s": t_gen,
-                "timing/prox_s": t2 - t1,
-                "timing/train_s": t3 - t2,
-                "timing/sync_s": t_sync,
-                "timing/reward_s": self.reward_time,
-                "timing/step_s": time.perf_counter() - t0,
-            }
-            stats.update(timings)
-            counters = {
-                "spec_decode_num_drafts": stats.get("rollout/spec_drafts", 0.0),
-                "spec_decode_num_draft_tokens": stats.get("rollout/spec_draft_tokens", 0.0),
-                "spec_decode_num_accepted_tokens": stats.get("rollout/spec_accepted_tokens", 0.0),
-            }
-            stats.update(live_perf_metrics(timings, spec_k=spec_k, spec_counters=counters))
+                spec_k = int(stats[names.SPEC_K])
             stats.update(
-                {"rollout/failed_groups": float(self.failures), "rollout/version": float(self.version)}
+                {
+                    names.timing_key("gen"): t_gen,
+                    names.timing_key("prox"): t2 - t1,
+                    names.timing_key("train"): t3 - t2,
+                    names.timing_key("sync"): t_sync,
+                    names.timing_key("reward"): self.reward_time,
+                    names.STEP_TIME: time.perf_counter() - t0,
+                }
             )
+            stats.update(live_perf_metrics(stats, spec_k=spec_k))
+            stats.update({names.FAILED_GROUPS: float(self.failures), names.VERSION: float(self.version)})
             if workflow is not None and step > 0 and self._eval_due(step):
                 eval_stats = await self.evaluate(workflow)  # after the push: this step's new weights
             stats.update(eval_stats)
@@ -250,11 +310,3 @@ class RLController:
                 task.cancel()
             await asyncio.gather(producer, *self.in_flight, return_exceptions=True)
 
-
-def warm_start_samples(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
-    return [
-        sft_sample(
-            tokenizer.encode(p, add_special_tokens=False), tokenizer.encode(a, add_special_tokens=False)
-        )
-        for p, a in pairs
-    ]

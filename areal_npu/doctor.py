@@ -102,7 +102,7 @@ def component_paths(device: str, versions: dict[str, str | None]) -> dict[str, s
 
 def collect() -> dict:
     """Everything doctor reports, as a JSON-serialisable dict."""
-    from areal_npu.compat import vllm_cpu
+    from areal_npu.compat.vllm import cpu as vllm_cpu
     from areal_npu.rollout import vllm_features
 
     plat = current_platform()
@@ -134,7 +134,7 @@ def collect() -> dict:
     problems = []
     if versions["vllm_cpu"] and not report["compat"]["vllm_cpu_startup_hook"]:
         problems.append(
-            "vllm-cpu is installed but the start-up hook is not: python -m areal_npu.compat.vllm_cpu install"
+            "vllm-cpu is installed but the start-up hook is not: python -m areal_npu.compat.vllm.cpu install"
         )
     if plat.warning:
         problems.append(plat.warning)

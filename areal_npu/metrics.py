@@ -26,17 +26,11 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from areal_npu import names
+
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 
-# Keys the status line reads (when present in a step's stats).
-REWARD = "reward/mean"
-ACCEPT = "rollout/spec_accept_rate"
-ACCEPT_LEN = "rollout/spec_mean_accepted_len"
-STALE_MAX = "staleness/max"
-IMP_W = "ppo/behave_imp_weight/mean"
-STEP_S = "timing/step_s"
-STATUS_PHASES = ("gen", "train", "sync")
 
 
 class MetricsError(ValueError):
@@ -109,10 +103,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def format_status(step: int, total_steps: int, stats: dict, reward_start: float | None = None) -> str:
-    """``step 12/40 | reward 0.41 (+0.22) | accept 0.63 len 2.1 | stale max 1 | imp_w 0.999 | step 8.3s (gen 5.1 train 2.0 sync 0.4)``.
+    """``step 12/40 | reward 0.41 (+0.22) | accept 0.63 len 2.1 | stale max 1 | imp_w 0.999 | step 8.3s (gen 5.1 prox 0.6 train 2.0 sync 0.4)``.
 
-    Fields whose keys are absent (or not finite) are left out; the reward change is against
-    ``reward_start`` (the first logged reward of the run), shown when given.
+    Fields whose keys are absent (or not finite) are left out; the phases are those of
+    :data:`areal_npu.names.PHASES` the step logged. The reward change is against ``reward_start``
+    (the first logged reward of the run), shown when given.
     """
 
     def num(key: str) -> float | None:
@@ -122,23 +117,23 @@ def format_status(step: int, total_steps: int, stats: dict, reward_start: float 
         return float(v)
 
     parts = [f"step {step}/{total_steps}"]
-    reward = num(REWARD)
+    reward = num(names.REWARD_MEAN)
     if reward is not None:
         delta = f" ({reward - reward_start:+.2f})" if reward_start is not None else ""
         parts.append(f"reward {reward:.2f}{delta}")
     spec = []
-    if (accept := num(ACCEPT)) is not None:
+    if (accept := num(names.SPEC_ACCEPT_RATE)) is not None:
         spec.append(f"accept {accept:.2f}")
-    if (length := num(ACCEPT_LEN)) is not None:
+    if (length := num(names.SPEC_MEAN_ACCEPTED_LEN)) is not None:
         spec.append(f"len {length:.1f}")
     if spec:
         parts.append(" ".join(spec))
-    if (stale := num(STALE_MAX)) is not None:
+    if (stale := num(names.STALENESS_MAX)) is not None:
         parts.append(f"stale max {stale:g}")
-    if (imp := num(IMP_W)) is not None:
+    if (imp := num(names.BEHAVE_IMP_WEIGHT_MEAN)) is not None:
         parts.append(f"imp_w {imp:.3f}")
-    phases = [f"{p} {v:.1f}" for p in STATUS_PHASES if (v := num(f"timing/{p}_s")) is not None]
-    step_s = num(STEP_S)
+    phases = [f"{p} {v:.1f}" for p in names.PHASES if (v := num(names.timing_key(p))) is not None]
+    step_s = num(names.STEP_TIME)
     if step_s is not None or phases:
         timing = f"step {step_s:.1f}s" if step_s is not None else "time"
         parts.append(f"{timing} ({' '.join(phases)})" if phases else timing)
@@ -196,8 +191,8 @@ class StatsLogger:
 
     def _load_state(self, rows: list[dict]) -> None:
         self.last_step: int | None = max((r["step"] for r in rows), default=None)
-        rewards = [r for r in sorted(rows, key=lambda r: r["step"]) if r.get(REWARD) is not None]
-        self._reward_start: float | None = float(rewards[0][REWARD]) if rewards else None
+        rewards = [r for r in sorted(rows, key=lambda r: r["step"]) if r.get(names.REWARD_MEAN) is not None]
+        self._reward_start: float | None = float(rewards[0][names.REWARD_MEAN]) if rewards else None
 
     def truncate_after(self, step: int) -> None:
         """Keep only lines with ``step <= step`` (atomic rewrite); later steps may then be logged again."""
@@ -241,8 +236,8 @@ class StatsLogger:
         self._file.flush()
         os.fsync(self._file.fileno())
         self.last_step = step
-        if self._reward_start is None and row.get(REWARD) is not None:
-            self._reward_start = float(row[REWARD])
+        if self._reward_start is None and row.get(names.REWARD_MEAN) is not None:
+            self._reward_start = float(row[names.REWARD_MEAN])
         self._write_tensorboard(step, row)
         line = format_status(step, self.total_steps, row, self._reward_start)
         if self._console:

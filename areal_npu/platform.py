@@ -16,6 +16,7 @@ children's) platform by setting ``AREAL_NPU_DEVICE``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -203,9 +204,12 @@ def select_device(
     ``auto`` is :func:`detect_platform`. An explicit family must agree with ``AREAL_NPU_DEVICE``
     when that is set (two settings that disagree are refused, not ranked) and must exist here: an
     NPU that ``torch_npu`` reports, a CUDA device ``torch.cuda.is_available()`` sees, or the CPU.
-    Raises ``ValueError`` saying which of those failed.
+    Raises ``ValueError`` saying which of those failed. Inside :func:`described_device` the
+    described kind answers instead of this machine.
     """
     env = os.environ if env is None else env
+    if _DESCRIBED and requested in ("auto", _DESCRIBED[-1]):  # described_device(): not this machine
+        return Platform(PROFILES[_DESCRIBED[-1]], reason=f"described: {_DESCRIBED[-1]}")
     if requested == "auto":
         return detect_platform(env, import_module, cuda_available)
     if requested not in DEVICE_TYPES:
@@ -234,6 +238,24 @@ def select_device(
     return Platform(PROFILES["cuda"], reason="device: cuda")
 
 
+_DESCRIBED: list[str] = []
+
+
+@contextlib.contextmanager
+def described_device(kind: str):
+    """Within the block, :func:`select_device` resolves ``auto`` and ``kind`` itself to ``kind``
+    without probing this machine: a recipe validated for machines described on the command line
+    (``train --dry-run --device-kind``). Another explicit device still goes through the machine.
+    Nothing may compute inside: no device is set up and :func:`current_platform` is unchanged."""
+    if kind not in DEVICE_TYPES:
+        raise ValueError(f"must be one of {', '.join(DEVICE_TYPES)}; got {kind!r}")
+    _DESCRIBED.append(kind)
+    try:
+        yield
+    finally:
+        _DESCRIBED.pop()
+
+
 def use_device(requested: str) -> Platform:
     """Make ``device: requested`` this process's platform (and, through ``AREAL_NPU_DEVICE``, the
     platform of every process it starts: trainer ranks, rollout engines)."""
@@ -257,3 +279,72 @@ def import_torch_npu() -> ModuleType:
     if current_platform().device_type != "npu":
         raise RuntimeError("torch_npu requested but this process is not running on an Ascend NPU")
     return importlib.import_module("torch_npu")
+
+
+# ---- visible devices of the processes a run starts (the placement planner's seam) ----
+
+#: A CPU process's core set, as a taskset-style list (``0-3,8``). The process applies it to itself
+#: at start (``os.sched_setaffinity``), so everything it starts inherits it.
+CPU_AFFINITY_ENV = "AREAL_CPU_AFFINITY"
+
+
+def format_id_list(ids) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``"0-3,8"`` (taskset's list syntax); order kept, runs collapsed."""
+    ids = [int(i) for i in ids]
+    parts: list[str] = []
+    start = prev = None
+    for i in ids:
+        if prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = i
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def parse_id_list(text: str) -> list[int]:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``; ValueError on anything else (e.g. CUDA device UUIDs)."""
+    ids: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and (not high.isdigit() or int(high) < int(low))):
+            raise ValueError(f"{text!r} is not a list of device indices (like 0-3,8)")
+        ids.extend(range(int(low), int(high or low) + 1))
+    return ids
+
+
+def visible_devices_env(kind: str, ids) -> dict[str, str]:
+    """The environment that gives a process exactly devices ``ids`` (physical ids, in the order
+    its logical devices should have): ``ASCEND_RT_VISIBLE_DEVICES`` on NPU, ``CUDA_VISIBLE_DEVICES``
+    on CUDA; on the CPU the core set (:data:`CPU_AFFINITY_ENV`) and as many OpenMP threads."""
+    ids = [int(i) for i in ids]
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise ValueError(f"device ids must be distinct and >= 0, at least one; got {ids}")
+    profile = PROFILES[kind]
+    if profile.visible_devices_env is not None:
+        return {profile.visible_devices_env: ",".join(map(str, ids))}
+    return {CPU_AFFINITY_ENV: format_id_list(ids), "OMP_NUM_THREADS": str(len(ids))}
+
+
+def visible_device_ids(kind: str, env: dict[str, str] | None = None, count: int | None = None) -> list[int]:
+    """The physical ids this process may hand to the processes it starts: on the CPU the cores of
+    its affinity; on NPU / CUDA the ids in the visible-devices variable when it is set (a child's
+    variable names physical devices, not the parent's logical ones), else ``0 .. count - 1``
+    (``count``: the platform's device count)."""
+    env = os.environ if env is None else env
+    if kind == "cpu":
+        return sorted(os.sched_getaffinity(0))
+    variable = PROFILES[kind].visible_devices_env
+    if env.get(variable, "").strip():
+        try:
+            return parse_id_list(env[variable])
+        except ValueError as exc:
+            raise ValueError(f"{variable}: {exc}") from None
+    if count is None:
+        count = current_platform().device_count()
+    return list(range(count))

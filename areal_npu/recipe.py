@@ -1,4 +1,10 @@
-"""The RL recipe: every component's config composed into one, plus the cross-component checks."""
+"""The RL recipe: every component's config composed into one, plus the cross-component checks.
+
+Each config lives beside the component it configures (``ControllerConfig`` in
+:mod:`areal_npu.controller`, ``GRPOConfig`` in :mod:`areal_npu.algo.advantages`, ``WarmStartConfig``
+in :mod:`areal_npu.train.warmstart`, ...); values that depend on several components are derived here,
+once, into the field their user reads (``rollout.device``, ``rollout.spec.sync_draft``).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,15 @@ from pathlib import Path
 
 from areal_npu.agent.tasks import TaskConfig
 from areal_npu.agent.workflows import WorkflowConfig
+from areal_npu.algo.advantages import GRPOConfig
 from areal_npu.algo.ppo import PPOConfig
 from areal_npu.config import ConfigError, ExperimentConfig
+from areal_npu.controller import ControllerConfig
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.train.engine import TrainEngineConfig
+from areal_npu.train.warmstart import WarmStartConfig
 
 
 @dataclass
@@ -75,51 +84,6 @@ def check_hf_checkpoint(path: str) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-@dataclass
-class WarmStartConfig:
-    """Supervised warm start of policy and MTP head on the task's reference answers."""
-
-    steps: int = 0
-    batch_size: int = 64
-    lr: float = 2e-3
-    log_every: int = 25
-
-    def validate(self) -> None:
-        if self.steps < 0:
-            raise ValueError("steps must be >= 0")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        if not self.lr > 0:
-            raise ValueError("lr must be > 0")
-
-
-@dataclass
-class GRPOConfig:
-    std_normalize: bool = True  # false: Dr.GRPO (mean-centred only)
-
-
-@dataclass
-class ControllerConfig:
-    steps: int = 20  # RL training steps
-    batch_groups: int = 8  # prompt groups per step (each group_size trajectories)
-    max_staleness: int = 1  # 0: synchronous RL
-    max_concurrent_groups: int = 16
-    checkpoint_every: int = 5  # 0: only at the end
-    eval_every: int = 0  # held-out eval (one sample per prompt) every N steps, before step 0 and at the end; 0: off
-    eval_size: int = 128  # held-out prompts per eval (from the task's eval split)
-
-    def validate(self) -> None:
-        for key in ("steps", "batch_groups", "max_concurrent_groups"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1")
-        if self.max_staleness < 0:
-            raise ValueError("max_staleness must be >= 0 (0 is synchronous RL)")
-        if self.checkpoint_every < 0:
-            raise ValueError("checkpoint_every must be >= 0")
-        if self.eval_every < 0 or self.eval_size < 1:
-            raise ValueError("eval_every must be >= 0 and eval_size >= 1")
 
 
 @dataclass
@@ -199,6 +163,9 @@ class RLConfig(ExperimentConfig):
                 "rollout.spec.sync_draft",
                 "must be false with a frozen MTP head (mtp.train=false): the drafter is loaded once",
             )
+        # One derivation: weight pushes carry the drafter only when it is our MTP head and that head
+        # trains; the trainer and the engines both read this field.
+        spec.sync_draft = spec.sync_draft and spec.enabled and spec.is_mtp and self.mtp.enabled and self.mtp.train
         if self.rollout.model:
             raise ConfigError("rollout.model", "is set by the trainer (the policy it trains); use model.path")
         if self.device == "cpu" and self.model.is_hybrid():
@@ -209,3 +176,29 @@ class RLConfig(ExperimentConfig):
             )
         if self.controller.batch_groups > self.task.n_train:
             raise ConfigError("controller.batch_groups", "exceeds task.n_train")
+        self._check_task_kind()
+
+    def _check_task_kind(self) -> None:
+        """Repo tasks and the shell agent go together; an episode must fit the engine and a micro-batch."""
+        from areal_npu.agent.workflows import workflow_class
+
+        shell = "shell" in getattr(workflow_class(self.workflow.path), "config_keys", ())
+        if shell != (self.task.kind == "repo"):
+            raise ConfigError("task.kind", f"is {self.task.kind!r}, but workflow.path {self.workflow.path} "
+                              f"runs {'repo' if shell else 'program'} tasks")  # fmt: skip
+        if not shell:
+            return
+        budget = self.workflow.shell.max_tokens
+        if self.warmstart.steps:
+            raise ConfigError("warmstart.steps", "must be 0 with task.kind repo: the warm start trains on "
+                              "program-task answers")  # fmt: skip
+        if budget > self.rollout.max_model_len:
+            raise ConfigError("workflow.shell.max_tokens", f"({budget}) exceeds rollout.max_model_len "
+                              f"({self.rollout.max_model_len}): an episode must fit the engine's context")  # fmt: skip
+        if not self.model.path and budget > self.model.tiny.max_position_embeddings:
+            raise ConfigError("workflow.shell.max_tokens", f"({budget}) exceeds model.tiny.max_position_embeddings "
+                              f"({self.model.tiny.max_position_embeddings})")  # fmt: skip
+        packing = self.train.packing
+        if packing.on_too_long == "error" and budget > packing.max_tokens_per_mb:
+            raise ConfigError("workflow.shell.max_tokens", f"({budget}) exceeds train.packing.max_tokens_per_mb "
+                              f"({packing.max_tokens_per_mb}); raise it or set train.packing.on_too_long=truncate")  # fmt: skip

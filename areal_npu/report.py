@@ -24,26 +24,30 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from areal_npu import names
+
 EXIT_INPUT = 2
-TIMING_PHASES = ("gen", "reward", "prox", "train", "sync")
 
 # The last step's table: these keys, in this order, when present.
 KEY_METRICS = (
-    "reward/mean",
-    "reward/min",
-    "reward/max",
-    "rollout/spec_accept_rate",
-    "rollout/spec_mean_accepted_len",
-    "rollout/spec_k",
-    "rollout/tokens_per_busy_s",
-    "ppo/behave_imp_weight/mean",
-    "ppo/version_lag/mean",
-    "ppo/version_lag/max",
-    "staleness/max",
-    "timing/step_s",
-    *(f"timing/{p}_s" for p in TIMING_PHASES),
-    "perf/step_speedup_bound",
-    "perf/gen_fraction",
+    names.REWARD_MEAN,
+    names.REWARD_MIN,
+    names.REWARD_MAX,
+    # multi-turn agents (meta["stats"] of their trajectories, averaged over the step's episodes)
+    *(names.episode_key(k) for k in ("turns", "tokens", "submitted", "pass_rate", "format_errors")),
+    names.EVAL_REWARD,
+    names.SPEC_ACCEPT_RATE,
+    names.SPEC_MEAN_ACCEPTED_LEN,
+    names.SPEC_K,
+    names.TOKENS_PER_BUSY_S,
+    names.BEHAVE_IMP_WEIGHT_MEAN,
+    names.VERSION_LAG_MEAN,
+    names.VERSION_LAG_MAX,
+    names.STALENESS_MAX,
+    names.STEP_TIME,
+    *(names.timing_key(p) for p in names.PHASES + names.SIDE_PHASES),
+    names.STEP_SPEEDUP_BOUND,
+    names.GEN_FRACTION,
 )
 
 
@@ -120,26 +124,25 @@ def plot_lines(rows: list[dict], panels: list[Panel], path: Path, title: str) ->
 
 
 def plot_reward(rows: list[dict], path: Path) -> Path | None:
-    steps, mean = series(rows, "reward/mean")
+    steps, mean = series(rows, names.REWARD_MEAN)
     if not steps:
         return None
     fig, (ax,) = _figure(1)
-    ax.plot(steps, mean, label="reward/mean", color="C0")
-    band = [
-        r for r in rows if _value(r.get("reward/min")) is not None and _value(r.get("reward/max")) is not None
-    ]
+    ax.plot(steps, mean, label=names.REWARD_MEAN, color="C0")
+    lo, hi = names.REWARD_MIN, names.REWARD_MAX
+    band = [r for r in rows if _value(r.get(lo)) is not None and _value(r.get(hi)) is not None]
     if band:
         ax.fill_between(
             [r["step"] for r in band],
-            [r["reward/min"] for r in band],
-            [r["reward/max"] for r in band],
+            [r[lo] for r in band],
+            [r[hi] for r in band],
             alpha=0.25,
             color="C0",
             label="min–max",
         )
-    eval_steps, eval_mean = series(rows, "eval/reward")
+    eval_steps, eval_mean = series(rows, names.EVAL_REWARD)
     if eval_steps:
-        ax.plot(eval_steps, eval_mean, "o-", label="eval/reward (held-out prompts)", color="C3")
+        ax.plot(eval_steps, eval_mean, "o-", label=f"{names.EVAL_REWARD} (held-out prompts)", color="C3")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title("reward")
@@ -149,8 +152,11 @@ def plot_reward(rows: list[dict], path: Path) -> Path | None:
 
 
 def plot_step_time(rows: list[dict], path: Path) -> Path | None:
-    keys = [f"timing/{p}_s" for p in TIMING_PHASES if series(rows, f"timing/{p}_s")[0]]
-    if not keys:
+    """The step's phases stacked (they add up to the step), side phases as dashed lines (see
+    :mod:`areal_npu.names`: they overlap the step or follow it)."""
+    keys = [names.timing_key(p) for p in names.PHASES if series(rows, names.timing_key(p))[0]]
+    side = [names.timing_key(p) for p in names.SIDE_PHASES if series(rows, names.timing_key(p))[0]]
+    if not keys and not side:
         return None
     steps = [r["step"] for r in rows if any(_value(r.get(k)) is not None for k in keys)]
     gaps = [b - a for a, b in zip(steps, steps[1:])]
@@ -162,9 +168,11 @@ def plot_step_time(rows: list[dict], path: Path) -> Path | None:
         heights = [_value(by_step[s].get(key)) or 0.0 for s in steps]
         ax.bar(steps, heights, width=width, bottom=bottom, label=key, color=f"C{i}")
         bottom = [b + h for b, h in zip(bottom, heights)]
-    total_steps, total = series(rows, "timing/step_s")
+    for i, key in enumerate(side, start=len(keys)):
+        ax.plot(*series(rows, key), ls="--", lw=1, color=f"C{i}", label=f"{key} (not in the step)")
+    total_steps, total = series(rows, names.STEP_TIME)
     if total_steps:
-        ax.plot(total_steps, total, color="k", lw=1, label="timing/step_s")
+        ax.plot(total_steps, total, color="k", lw=1, label=names.STEP_TIME)
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.set_title("step time by phase")
@@ -174,17 +182,17 @@ def plot_step_time(rows: list[dict], path: Path) -> Path | None:
 
 def write_plots(rows: list[dict], out: Path) -> tuple[dict[str, Path], list[str]]:
     """Write every plot that has data; returns ({name: path}, [names of plots without data])."""
-    pos = [k for _, k in indexed_keys(rows, r"rollout/spec_accept_rate_pos(\d+)")]
-    mtp_loss = [k for _, k in indexed_keys(rows, r"mtp/loss_d(\d+)")]
-    mtp_acc = [k for _, k in indexed_keys(rows, r"mtp/acc_d(\d+)")]
-    ppo_w = [f"ppo/behave_imp_weight/{s}" for s in ("mean", "min", "max")]
+    pos = [k for _, k in indexed_keys(rows, names.SPEC_ACCEPT_RATE_POS_PATTERN)]
+    mtp_loss = [k for _, k in indexed_keys(rows, names.MTP_LOSS_DEPTH_PATTERN)]
+    mtp_acc = [k for _, k in indexed_keys(rows, names.MTP_ACC_DEPTH_PATTERN)]
+    ppo_w = [f"{names.BEHAVE_IMP_WEIGHT}/{s}" for s in ("mean", "min", "max")]
     builders = {
         "reward": lambda p: plot_reward(rows, p),
         "spec_accept": lambda p: plot_lines(
             rows,
             [
-                Panel("acceptance rate", ["rollout/spec_accept_rate", *pos], "P(accepted)"),
-                Panel("mean accepted length", ["rollout/spec_mean_accepted_len"], "tokens / verify step"),
+                Panel("acceptance rate", [names.SPEC_ACCEPT_RATE, *pos], "P(accepted)"),
+                Panel("mean accepted length", [names.SPEC_MEAN_ACCEPTED_LEN], "tokens / verify step"),
             ],
             p,
             "speculative decoding",
@@ -203,7 +211,7 @@ def write_plots(rows: list[dict], out: Path) -> tuple[dict[str, Path], list[str]
             [
                 Panel(
                     "version lag",
-                    ["ppo/version_lag/mean", "ppo/version_lag/max", "staleness/max"],
+                    [names.VERSION_LAG_MEAN, names.VERSION_LAG_MAX, names.STALENESS_MAX],
                     "versions",
                 )
             ],
@@ -214,10 +222,10 @@ def write_plots(rows: list[dict], out: Path) -> tuple[dict[str, Path], list[str]
         "perf": lambda p: plot_lines(
             rows,
             [
-                Panel("step speed-up bound", ["perf/step_speedup_bound"], "×"),
-                Panel("generation fraction", ["perf/gen_fraction"], "fraction of step"),
-                Panel("draft length", ["rollout/spec_k"], "k"),
-                Panel("generation throughput", ["rollout/tokens_per_busy_s"], "tokens / engine-busy s"),
+                Panel("step speed-up bound", [names.STEP_SPEEDUP_BOUND], "×"),
+                Panel("generation fraction", [names.GEN_FRACTION], "fraction of step"),
+                Panel("draft length", [names.SPEC_K], "k"),
+                Panel("generation throughput", [names.TOKENS_PER_BUSY_S], "tokens / engine-busy s"),
             ],
             p,
             "",
@@ -278,7 +286,7 @@ def summary_markdown(
 
     md.append("## Summary")
     md.append("")
-    _, reward = series(rows, "reward/mean")
+    _, reward = series(rows, names.REWARD_MEAN)
     if reward:
         start, end = start_end(reward)
         k = max(1, math.ceil(len(reward) / 5))
@@ -286,32 +294,32 @@ def summary_markdown(
             f"- reward (mean of first/last {k} of {len(reward)} steps): start {start:.4f}, end {end:.4f}, change {end - start:+.4f}"
         )
     else:
-        missing_summary.append("reward/mean")
-    eval_steps, eval_reward = series(rows, "eval/reward")
+        missing_summary.append(names.REWARD_MEAN)
+    eval_steps, eval_reward = series(rows, names.EVAL_REWARD)
     if len(eval_reward) >= 2:
         md.append(
             f"- held-out eval reward: step {eval_steps[0]} {eval_reward[0]:.4f} -> step {eval_steps[-1]} "
             f"{eval_reward[-1]:.4f} (change {eval_reward[-1] - eval_reward[0]:+.4f})"
         )
-    acc_steps, acc = series(rows, "rollout/spec_accept_rate")
+    acc_steps, acc = series(rows, names.SPEC_ACCEPT_RATE)
     if acc:
         line = f"- final speculative acceptance (step {acc_steps[-1]}): {acc[-1]:.4f}"
-        _, length = series(rows, "rollout/spec_mean_accepted_len")
+        _, length = series(rows, names.SPEC_MEAN_ACCEPTED_LEN)
         if length:
             line += f", mean accepted length {length[-1]:.4f}"
         md.append(line)
     else:
-        missing_summary.append("rollout/spec_accept_rate")
-    _, imp = series(rows, "ppo/behave_imp_weight/mean")
+        missing_summary.append(names.SPEC_ACCEPT_RATE)
+    _, imp = series(rows, names.BEHAVE_IMP_WEIGHT_MEAN)
     if imp:
         md.append(f"- mean behave_imp_weight: {sum(imp) / len(imp):.4f} over {len(imp)} steps")
     else:
-        missing_summary.append("ppo/behave_imp_weight/mean")
-    _, step_s = series(rows, "timing/step_s")
+        missing_summary.append(names.BEHAVE_IMP_WEIGHT_MEAN)
+    _, step_s = series(rows, names.STEP_TIME)
     if step_s:
         md.append(f"- total step time (sum of timing/step_s): {_duration(sum(step_s))}")
     else:
-        missing_summary.append("timing/step_s")
+        missing_summary.append(names.STEP_TIME)
     _, wall = series(rows, "time")
     if len(wall) >= 2:
         md.append(f"- wall clock, first to last logged step: {_duration(wall[-1] - wall[0])}")

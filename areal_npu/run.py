@@ -16,53 +16,9 @@ from pathlib import Path
 
 import torch
 
+from areal_npu import names
 from areal_npu.config import ConfigError, to_yaml
 from areal_npu.recipe import RLConfig
-
-
-def warm_start(cfg: RLConfig, base_dir: Path, tasks, out_dir: Path, console) -> Path:
-    """SFT of policy and MTP head on the reference answers; writes an HF checkpoint with ``mtp.*``
-    in the base checkpoint's layout (text or published)."""
-    from transformers import AutoTokenizer
-
-    from areal_npu.agent.tasks import sft_pairs
-    from areal_npu.controller import warm_start_samples
-    from areal_npu.model.layout import load_for_training
-    from areal_npu.train.checkpoint import write_hf_checkpoint
-    from areal_npu.train.engine import FSDPEngine
-    from areal_npu.train.optim import OptimConfig
-
-    w = cfg.warmstart
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    lm, mtp, layout = load_for_training(base_dir, cfg.mtp)
-    optim = OptimConfig(
-        lr=w.lr,
-        warmup_steps=min(20, w.steps // 10),
-        schedule="cosine",
-        total_steps=w.steps + 1,
-        min_lr_ratio=0.1,
-    )
-    train_cfg = dataclasses.replace(cfg.train, optim=optim, ppo_minibatches=1)
-    engine = FSDPEngine(lm, mtp, train_cfg, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id, layout=layout)
-    samples = warm_start_samples(tokenizer, sft_pairs(tasks))
-    rng = random.Random(cfg.seed)
-    from rich.progress import Progress
-
-    with Progress(console=console, transient=False) as progress:
-        bar = progress.add_task("warm start (SFT policy + MTP)", total=w.steps)
-        for step in range(w.steps):
-            stats = engine.train_step(rng.sample(samples, min(w.batch_size, len(samples))), "sft")
-            if step % w.log_every == 0 or step == w.steps - 1:
-                keys = ("sft/nll", "mtp/loss_d1", "mtp/acc_d1")
-                progress.console.print(
-                    f"warm start {step + 1}/{w.steps}: "
-                    + "  ".join(f"{k} {stats[k]:.3f}" for k in keys if k in stats)
-                )
-            progress.advance(bar)
-    # in the base checkpoint's layout: a published one stays loadable by vLLM's VL class
-    write_hf_checkpoint(engine, out_dir, tokenizer)
-    del engine
-    return out_dir
 
 
 async def _run_loop(
@@ -84,7 +40,11 @@ async def _run_loop(
 
     client = RolloutClient.from_config(rollout_cfg, engines, on_restart=on_restart)
     try:
-        controller = RLController(cfg, engine, tokenizer, client, tasks, run_dir, logger, start_step, eval_tasks)
+        controller = RLController(
+            cfg.controller, engine, tokenizer, client, tasks, run_dir, logger,
+            spec=cfg.rollout.spec, grpo=cfg.grpo, seed=cfg.seed,
+            weight_bucket_bytes=cfg.rollout.weight_bucket_bytes, start_step=start_step, eval_tasks=eval_tasks,
+        )  # fmt: skip
         controller_ref["c"] = controller
         if start_step > 0:
             await controller.push_weights()  # engines restarted from the checkpoint: tag their version
@@ -113,6 +73,7 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     from areal_npu.train.checkpoint import checkpoint_to_resume, load_checkpoint
     from areal_npu.train.dist import init_distributed
     from areal_npu.train.engine import FSDPEngine
+    from areal_npu.train.warmstart import warm_start
 
     console = Console()
     start_time = time.time()
@@ -138,11 +99,12 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
             if cfg.model.path
             else save_tiny_model(run_dir / "base_model", cfg.model.tiny)
         )
-        policy_dir = (
-            warm_start(cfg, base, train_tasks, run_dir / "warmstart", console)
-            if cfg.warmstart.steps
-            else base
-        )
+        policy_dir = base
+        if cfg.warmstart.steps:
+            policy_dir = warm_start(
+                base, train_tasks, run_dir / "warmstart", console,
+                cfg=cfg.warmstart, train=cfg.train, mtp=cfg.mtp, ppo=cfg.ppo, seed=cfg.seed,
+            )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     lm, mtp, layout = load_for_training(policy_dir, cfg.mtp)
     engine = FSDPEngine(lm, mtp, cfg.train, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id, layout=layout)
@@ -167,7 +129,7 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
         for e in engines:
             e.stop()
         logger.close()
-    rewards = [h["reward/mean"] for h in history]
+    rewards = [h[names.REWARD_MEAN] for h in history]
     return {
         "steps": len(history),
         "start_step": start_step,

@@ -104,8 +104,12 @@ def naive_logprobs_entropy(
 # only buffers made here, which torch.compile fuses exactly like their out-of-place forms.
 
 
-def _chunk_forward(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk's (logp, entropy, lse) from its logits [C, V] (targets < 0: logp 0)."""
+def _chunk_forward(
+    logits: Tensor, targets: Tensor, temperature: float, with_hits: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One chunk's (logp, entropy, lse, hits) from its logits [C, V] (targets < 0: logp 0).
+    ``hits`` (only ``with_hits``): whether the target is the argmax (first index on ties), else None."""
+    hits = (logits.argmax(-1) == targets) if with_hits else None
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
@@ -114,7 +118,7 @@ def _chunk_forward(logits: Tensor, targets: Tensor, temperature: float) -> tuple
     picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     logp = torch.where(targets >= 0, picked, torch.zeros_like(picked))
     entropy = -logprobs.exp().mul_(logprobs).sum(-1)
-    return logp, entropy, lse
+    return logp, entropy, lse, hits
 
 
 def _chunk_grad_logits(
@@ -129,8 +133,16 @@ def _chunk_grad_logits(
 ) -> Tensor:
     """∂(Σ g_lp·logp + g_H·H)/∂(h·Wᵀ) for one chunk, in ``out_dtype``:
     (g_lp·onehot(y) − p·(g_lp + g_H·(log p + H))) / τ, with g_lp already 0 where y < 0."""
-    logprobs = torch.add(-lse.unsqueeze(-1), logits, alpha=1.0 / temperature)  # z/τ − lse
-    del logits
+    # z/τ − lse. Not ``torch.add(-lse, z, alpha=1/τ)``: compiled with dynamic shapes (torch 2.13,
+    # CPU inductor), that form came out wrong for τ != 1 whenever the entropy had no gradient
+    # (test_fused_logp_only_gradient_with_temperature).
+    if temperature != 1.0:
+        logprobs = logits.mul(1.0 / temperature)
+        del logits
+        logprobs.sub_(lse.unsqueeze(-1))
+    else:
+        logprobs = logits - lse.unsqueeze(-1)
+        del logits
     g_lp = grad_logp.unsqueeze(-1)
     grad_z = logprobs.exp()
     factor = logprobs.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(g_lp)
@@ -156,37 +168,51 @@ def _pointwise(name: str, fused: bool):
 
 
 class ChunkedLogProbs(torch.autograd.Function):
-    """autograd Function: (hidden [T, H], weight [V, H], targets [T]) → (logp [T], entropy [T])."""
+    """autograd Function: (hidden [T, H], weight [V, H], targets [T]) → (logp [T], entropy [T],
+    hits [T] bool: target == argmax, non-differentiable; empty unless ``with_hits``)."""
 
     @staticmethod
     def forward(
-        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int, fused: bool
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        temperature: float,
+        chunk_size: int,
+        fused: bool,
+        with_hits: bool = False,
     ):
         dtype = _compute_dtype(hidden, weight)
         num_tokens = hidden.shape[0]
         logp = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
         entropy = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
         lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
+        hits = torch.zeros(num_tokens if with_hits else 0, dtype=torch.bool, device=hidden.device)
         forward_chunk = _pointwise("forward", fused)
         weight_t = _gemm_weight(weight, dtype).t()
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            logp[start:end], entropy[start:end], lse[start:end] = forward_chunk(
-                _mm(hidden[start:end], weight_t, dtype), targets[start:end], temperature
+            logp[start:end], entropy[start:end], lse[start:end], chunk_hits = forward_chunk(
+                _mm(hidden[start:end], weight_t, dtype), targets[start:end], temperature, with_hits
             )
+            if with_hits:
+                hits[start:end] = chunk_hits
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.mark_non_differentiable(hits)
         # An unused output then arrives as None in backward, and its term is skipped.
         ctx.set_materialize_grads(False)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.fused = fused
-        return logp, entropy
+        return logp, entropy, hits
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+    def backward(
+        ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None, _grad_hits: Tensor | None = None
+    ):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None,) * 6
+        none = (None,) * 7
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w):
             return none
         dtype = lse.dtype
@@ -224,7 +250,7 @@ class ChunkedLogProbs(torch.autograd.Function):
             del grad_z
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_logprobs_entropy(
@@ -242,6 +268,11 @@ def chunked_logprobs_entropy(
     Returns ``(logp [...], entropy [...])`` in float32 (float64 when the inputs are float64).
     ``fused``: compile the per-chunk pointwise work with ``torch.compile``; ``None``: on CUDA only.
     """
+    logp, entropy, _ = _apply(hidden, weight, targets, temperature, chunk_size, fused, False)
+    return logp, entropy
+
+
+def _check(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int) -> None:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
@@ -250,18 +281,23 @@ def chunked_logprobs_entropy(
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree")
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden size {hidden.shape[-1]} != weight in-features {weight.shape[-1]}")
+
+
+def _apply(hidden, weight, targets, temperature, chunk_size, fused, with_hits):
+    _check(hidden, weight, targets, temperature, chunk_size)
     lead = targets.shape
     if fused is None:
         fused = hidden.device.type == "cuda"
-    logp, entropy = ChunkedLogProbs.apply(
+    logp, entropy, hits = ChunkedLogProbs.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         targets.reshape(-1),
         float(temperature),
         int(chunk_size),
         bool(fused),
+        bool(with_hits),
     )
-    return logp.reshape(lead), entropy.reshape(lead)
+    return logp.reshape(lead), entropy.reshape(lead), (hits.reshape(lead) if with_hits else None)
 
 
 def chunked_logprobs(
@@ -277,3 +313,19 @@ def chunked_logprobs(
     return chunked_logprobs_entropy(
         hidden, weight, targets, temperature=temperature, chunk_size=chunk_size, fused=fused
     )[0]
+
+
+def chunked_logprobs_hits(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    fused: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(logp, hits)``: log-probs (differentiable, as :func:`chunked_logprobs`) and whether each
+    target is the argmax of its logits (``bool``, first index on ties; False where target < 0),
+    in the same chunked pass: what a cross-entropy loss with an accuracy metric needs."""
+    logp, _, hits = _apply(hidden, weight, targets, temperature, chunk_size, fused, True)
+    return logp, hits

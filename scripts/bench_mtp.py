@@ -25,7 +25,7 @@ from areal_npu.model.mtp_params import apply_mtp_mode
 from areal_npu.model.mtp_targets import build_packed_mtp_targets
 from areal_npu.model.packed import enable_packed_attention
 from areal_npu.model.tiny import TinyModelConfig, build_tiny_model
-from areal_npu.model.warmstart import next_token_loss
+from areal_npu.testing.sft import next_token_loss
 
 TARGET = 1.25
 SHAPES = {

@@ -15,9 +15,9 @@ measured speed-up over k = 0 at the same batch size, and two predictions from ac
 Heads (``--head``):
 
 * ``trained`` (default): the tiny Qwen3.5 and its MTP head trained jointly with the project's SFT
-  warm start (``areal_npu.model.warmstart``, pattern corpus, ``--train-steps``), prompts from the
+  warm start (``areal_npu.testing.sft``, pattern corpus, ``--train-steps``), prompts from the
   same corpus -- a head trained like the real one, on text it has learned;
-* ``oracle``: ``areal_npu.rollout.synthetic``, the near-oracle head (upper bound of acceptance);
+* ``oracle``: ``areal_npu.testing.synthetic``, the near-oracle head (upper bound of acceptance);
 * ``random``: the untrained head (acceptance ~0: the cost of speculation that does not pay).
 
 If the trained head cannot be built (warm start unavailable), the bench says so and uses ``oracle``.
@@ -26,7 +26,7 @@ If the trained head cannot be built (warm start unavailable), the bench says so 
 head) and a bad one (random head); a step is ``--batch`` concurrent requests of ``--max-tokens``
 tokens. (1) One engine per fixed k (k = 0: an engine without speculation; k >= 1: started with
 that k). (2) One adaptive engine (``spec.adaptive``, k_max = the largest k) running 4 rounds of an
-adaptive block (``areal_npu.rollout.adaptive`` picks k each step; exploration and probes
+adaptive block (``areal_npu.spec.adaptive`` picks k each step; exploration and probes
 included) followed by a block at each fixed k set at run time -- interleaved so that the slow
 drifts of a shared machine hit all modes alike. Reported: tokens/s (wall clock over the mode's
 steps), the median step, acceptance, and the adaptive ratio to the best k on the same engine and
@@ -48,10 +48,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from areal_npu import names
 from areal_npu.rollout.client import RolloutClient
 from areal_npu.rollout.config import RolloutConfig, SpecConfig
 from areal_npu.rollout.launcher import EngineProcess
-from areal_npu.rollout.metrics import counter_delta, spec_stats
+from areal_npu.spec.acceptance import counter_delta, spec_stats
 
 
 def build_trained(out: Path, steps: int, depths: int, layout: str) -> tuple[Path, list[list[int]], dict]:
@@ -62,7 +63,7 @@ def build_trained(out: Path, steps: int, depths: int, layout: str) -> tuple[Path
     from areal_npu.model.mtp import MTPConfig
     from areal_npu.model.mtp_checkpoint import save_model_with_mtp
     from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
-    from areal_npu.model.warmstart import evaluate_mtp, pattern_corpus, sft_warm_start
+    from areal_npu.testing.sft import evaluate_mtp, pattern_corpus, sft_warm_start
 
     torch.manual_seed(0)
     cfg = MTPConfig(enabled=True, num_depths=depths)
@@ -103,7 +104,7 @@ def build_model(
             print(f"[bench] trained head unavailable ({type(exc).__name__}: {exc}); using the oracle head")
             head = "oracle"
     if head == "oracle":
-        from areal_npu.rollout.synthetic import save_aligned_model
+        from areal_npu.testing.synthetic import save_aligned_model
 
         return "oracle", save_aligned_model(out / "oracle"), byte_prompts, {}
     from areal_npu.model.tiny import save_tiny_model
@@ -141,14 +142,15 @@ async def measure(
         before = await client.counters()
         runs = [await _run_batch(client, prompts, batch, max_tokens, temperature) for _ in range(repeats)]
         after = await client.counters()
-    stats = spec_stats(counter_delta(before, after), prefix="")
+    delta = counter_delta(before, after)
+    stats = spec_stats(delta)
     return {
         "tokens_per_s": max(runs),
         "tokens_per_s_runs": [round(x, 1) for x in runs],
-        "accept_rate": stats["spec_accept_rate"],
-        "mean_accepted_len": stats["spec_mean_accepted_len"],
+        "accept_rate": stats[names.SPEC_ACCEPT_RATE],
+        "mean_accepted_len": stats[names.SPEC_MEAN_ACCEPTED_LEN],
         "accept_rate_per_pos": [
-            round(stats[k], 4) for k in sorted(stats) if k.startswith("spec_accept_rate_pos")
+            round(stats[names.spec_accept_rate_pos_key(i)], 4) for i in range(len(delta.accepted_per_pos))
         ],
     }
 
@@ -286,7 +288,7 @@ def print_table(rows, head, max_tokens, temperature, draft_cost) -> None:
 
 def adaptive_models(work: Path, width: int) -> dict[str, Path]:
     from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
-    from areal_npu.rollout.synthetic import save_aligned_model
+    from areal_npu.testing.synthetic import save_aligned_model
 
     cfg = TinyModelConfig(hidden_size=width, intermediate_size=3 * width, num_hidden_layers=4,
                           num_attention_heads=max(4, width // 64), num_key_value_heads=max(2, width // 256),
@@ -308,8 +310,8 @@ class Tally:
         self.tokens += tokens
         self.seconds += seconds
         self.steps.append(tokens / seconds)
-        self.drafted += stats["rollout/spec_draft_tokens"]
-        self.accepted += stats["rollout/spec_accepted_tokens"]
+        self.drafted += stats[names.SPEC_DRAFT_TOKENS]
+        self.accepted += stats[names.SPEC_ACCEPTED_TOKENS]
 
     def row(self) -> dict:
         from statistics import median
@@ -348,7 +350,7 @@ async def fixed_engine_run(engine, steps: int, batch: int, max_tokens: int) -> d
 async def interleaved_run(engine, rounds, adaptive_steps, fixed_steps, ks, batch, max_tokens, policy, log) -> dict:
     """Adaptive blocks and fixed-k blocks alternate on one engine, so slow drifts of a shared machine
     hit every mode alike. The driver sees only its own blocks; its k is restored before each."""
-    from areal_npu.rollout.adaptive import AdaptiveSpecDriver
+    from areal_npu.spec.adaptive import AdaptiveSpecDriver
 
     rng = random.Random(1)
     tallies = {"adaptive": Tally(), **{f"k={k}": Tally() for k in ks}}
@@ -365,7 +367,7 @@ async def interleaved_run(engine, rounds, adaptive_steps, fixed_steps, ks, batch
                 prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(batch)]
                 tokens, seconds, stats = await _one_step(client, prompts, max_tokens)
                 tallies["adaptive"].add(tokens, seconds, stats)
-                ks_run.append(int((await driver.step(step, stats))["rollout/spec_k"]))
+                ks_run.append(int((await driver.step(step, stats))[names.SPEC_K]))
                 step += 1
             for k in ks:
                 await client.set_spec_k(k)
@@ -379,7 +381,7 @@ async def interleaved_run(engine, rounds, adaptive_steps, fixed_steps, ks, batch
 def adaptive_main(args) -> int:
     from collections import Counter
 
-    from areal_npu.spec_policy import SpecAdaptConfig
+    from areal_npu.spec.policy import SpecAdaptConfig
 
     ks = sorted({0, *(int(k) for k in args.ks.split(","))})
     k_max = max(ks)

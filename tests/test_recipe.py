@@ -121,6 +121,23 @@ def test_rollout_device_follows_the_run_device(capsys):
     assert "\ndevice: cpu\n" in out and "  device: cpu\n" in out  # top level and rollout
 
 
+@pytest.mark.parametrize(
+    "overrides,synced",
+    [
+        ([], True),  # the quickstart: MTP drafter, trained with the policy
+        (["mtp.train=false", "rollout.spec.sync_draft=false"], False),  # frozen head
+        (["rollout.spec.method=null", "rollout.spec.num_speculative_tokens=0"], False),  # no drafter
+        (["rollout.spec.method=ngram"], False),  # a drafter that is not our head
+    ],
+)
+def test_sync_draft_is_resolved_once_to_what_the_pushes_carry(overrides, synced):
+    """One derivation: the trainer's pushes and the engines both read rollout.spec.sync_draft."""
+    from areal_npu.config import load_config
+    from areal_npu.recipe import RLConfig
+
+    assert load_config(RLConfig, QUICKSTART, overrides).rollout.spec.sync_draft is synced
+
+
 def test_rollout_device_that_disagrees_is_refused(capsys):
     assert_refused(capsys, ["rollout.device=cuda"], "rollout.device", "the run's device is 'cpu'")
 

@@ -206,3 +206,26 @@ def make_repo_tasks(n: int, seed: int, families: tuple[str, ...] | list[str] = (
         raise ConfigError("families", f"{unknown} unknown; valid: {', '.join(BUG_FAMILIES)}")
     rng = random.Random(f"areal-npu-repo-tasks/{seed}")
     return [_make_task(rng, i, seed, tuple(families)) for i in range(n)]
+
+
+def _identity(task: RepoTask) -> tuple:
+    return task.problem_statement, tuple(sorted(task.snapshot.items()))
+
+
+def make_repo_splits(
+    n_train: int, n_eval: int, seed: int, families=(), jsonl: str = ""
+) -> tuple[list[RepoTask], list[RepoTask]]:
+    """Train and eval repo tasks; no eval task is also a train task. Embedded tasks by default; with
+    ``jsonl`` (a SWE-bench / R2E-Gym layout file, :mod:`areal_npu.agent.tasksets`) its first
+    ``n_train`` rows train and the next ``n_eval`` rows evaluate."""
+    if jsonl:
+        from areal_npu.agent.tasksets import load_jsonl
+
+        rows = load_jsonl(jsonl)
+        if len(rows) < n_train:
+            raise ConfigError("n_train", f"is {n_train} but {jsonl} has {len(rows)} tasks")
+        return rows[:n_train], rows[n_train : n_train + n_eval]
+    train = make_repo_tasks(n_train, seed, families)
+    seen = {_identity(t) for t in train}
+    pool = make_repo_tasks(2 * n_eval + 16, seed + 1_000_003, families)
+    return train, [t for t in pool if _identity(t) not in seen][:n_eval]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from areal_npu.config import ConfigError
@@ -134,12 +135,25 @@ class TaskConfig:
     level: str = "easy"
     n_examples: int = 3
     n_tests: int = 5
-    families: list[str] = field(default_factory=list)  # a subset of the level's families; empty: all
+    # a subset of the level's families (kind repo: of the bug families); empty: all
+    families: list[str] = field(default_factory=list)
+    # program: the embedded program-synthesis tasks | repo: repo-repair tasks for the shell agent
+    # (areal_npu.agent.repo_tasks: embedded, or a jsonl task set)
+    kind: str = "program"
+    # kind repo: a task set in the SWE-bench / R2E-Gym JSONL layout; empty: the embedded repo tasks
+    jsonl: str = ""
 
     def validate(self) -> None:
         for name in ("n_train", "n_eval", "n_examples", "n_tests"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1; got {getattr(self, name)!r}")
+        if self.kind == "repo":
+            self._validate_repo()
+            return
+        if self.kind != "program":
+            raise ConfigError("kind", f"must be program or repo; got {self.kind!r}")
+        if self.jsonl:
+            raise ConfigError("jsonl", "is read with kind: repo only")
         if self.n_examples > 4:
             raise ConfigError("n_examples", f"must be <= 4 (prompts must stay short); got {self.n_examples}")
         if self.n_tests > 32:
@@ -150,6 +164,23 @@ class TaskConfig:
         unknown = [f for f in self.families if f not in known]
         if unknown:
             raise ConfigError("families", f"{unknown} not in level {self.level!r}; valid: {', '.join(known)}")
+
+    def _validate_repo(self) -> None:
+        from areal_npu.agent.repo_tasks import BUG_FAMILIES
+
+        default = TaskConfig()
+        for name in ("level", "n_examples", "n_tests"):
+            if getattr(self, name) != getattr(default, name):
+                raise ConfigError(name, "is a program-task option; kind repo does not read it")
+        if self.jsonl:
+            if self.families:
+                raise ConfigError("families", "selects embedded repo tasks; a jsonl task set is used whole")
+            if not Path(self.jsonl).is_file():
+                raise ConfigError("jsonl", f"{self.jsonl!r} is not a file")
+            return
+        unknown = [f for f in self.families if f not in BUG_FAMILIES]
+        if unknown:
+            raise ConfigError("families", f"{unknown} are not bug families; valid: {', '.join(BUG_FAMILIES)}")
 
 
 def _make_task(rng: random.Random, level: str, n_examples: int, n_tests: int, families=()) -> Task:
@@ -189,8 +220,12 @@ def make_dataset(
 
 
 def make_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
-    """Train and eval sets; eval prompts never appear in train."""
+    """Train and eval sets; eval prompts never appear in train. ``kind: repo`` gives ``RepoTask``s."""
     cfg.validate()
+    if cfg.kind == "repo":
+        from areal_npu.agent.repo_tasks import make_repo_splits
+
+        return make_repo_splits(cfg.n_train, cfg.n_eval, cfg.seed, cfg.families, cfg.jsonl)
     train = make_dataset(cfg.n_train, cfg.seed, cfg.level, cfg.n_examples, cfg.n_tests, cfg.families)
     seen = {format_prompt(t) for t in train}
     pool = make_dataset(

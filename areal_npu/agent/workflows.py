@@ -9,17 +9,27 @@ event loop keeps feeding the engines).
 - :class:`MultiTurn`: the answer is graded; on failure the environment's feedback is appended as
   tokens (``loss_mask`` 0, version -1) and the model answers again, up to ``max_turns``; the reward
   is the last answer's, discounted by ``turn_discount`` per extra turn.
+- :class:`~areal_npu.agent.shell_agent.ShellAgent`: a multi-turn shell agent in a jailed repository
+  (``RepoTask``s), rewarded by the hidden tests.
+
+A workflow class may declare ``config_keys`` (the ``WorkflowConfig`` keys it reads besides ``path``,
+``group_size``, ``temperature`` and ``top_p``): a recipe that sets any other key away from its
+default is refused, so nothing is accepted and ignored. A static ``check_config(cfg)`` may refuse
+what the workflow cannot run with, before any work starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_npu.agent.reward import reward_many
+from areal_npu.agent.shell_agent import ShellAgentConfig
 from areal_npu.agent.tasks import Task, format_prompt
+from areal_npu.config import ConfigError
 from areal_npu.data.trajectory import Trajectory
 
 
@@ -30,12 +40,13 @@ class WorkflowConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    max_turns: int = 2  # MultiTurn only
+    max_turns: int = 2  # MultiTurn and ShellAgent: model turns per episode
     turn_discount: float = 0.5  # MultiTurn only: reward * discount ** (turns - 1)
     reward_workers: int = 2  # concurrent sandboxes per workflow call
+    shell: ShellAgentConfig = field(default_factory=ShellAgentConfig)  # ShellAgent only
 
     def validate(self) -> None:
-        workflow_class(self.path)  # imported now, so a typo stops the run before any work
+        cls = workflow_class(self.path)  # imported now, so a typo stops the run before any work
         if self.group_size < 1:
             raise ValueError("group_size must be >= 1")
         if self.max_new_tokens < 1:
@@ -46,6 +57,20 @@ class WorkflowConfig:
             raise ValueError("max_turns must be >= 1")
         if not 0 < self.turn_discount <= 1:
             raise ValueError("turn_discount must be in (0, 1]")
+        used = getattr(cls, "config_keys", None)
+        if used is not None:
+            default = WorkflowConfig()
+            for f in dataclasses.fields(self):
+                unread = f.name not in _COMMON_KEYS and f.name not in used
+                if unread and getattr(self, f.name) != getattr(default, f.name):
+                    reads = ", ".join(sorted(_COMMON_KEYS | used))
+                    raise ConfigError(f.name, f"is not read by {self.path} (it reads {reads}); remove it")
+        check = getattr(cls, "check_config", None)
+        if check is not None:
+            check(self)
+
+
+_COMMON_KEYS = frozenset({"path", "group_size", "temperature", "top_p"})
 
 
 def workflow_class(path: str) -> type:
@@ -76,6 +101,8 @@ def load_workflow(cfg: WorkflowConfig, tokenizer):
 
 
 class SingleTurn:
+    config_keys = frozenset({"max_new_tokens", "reward_workers"})
+
     def __init__(self, cfg: WorkflowConfig, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -122,6 +149,8 @@ class SingleTurn:
 
 class MultiTurn(SingleTurn):
     """Retry with feedback: ``# f(<input>) should be <expected>\\nf(x)=`` after a failed answer."""
+
+    config_keys = SingleTurn.config_keys | {"max_turns", "turn_discount"}
 
     def feedback(self, task: Task) -> str:
         x, y = task.examples[0]

@@ -1,6 +1,6 @@
 """RL algorithms as pure tensor functions.
 
-advantages  — GRPO / Dr.GRPO group advantages, broadcast to response tokens
+advantages  — GRPOConfig, GRPO / Dr.GRPO group advantages, broadcast to response tokens
 ppo         — PPOConfig, clipped surrogate (clip-higher, dual clip), decoupled PPO loss + stats
 aggregation — token-mean / seq-mean with global denominators, KL estimators k1/k2/k3
 guard       — non-finite guard for a step's inputs

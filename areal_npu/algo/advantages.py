@@ -6,10 +6,17 @@ Layout: ``rewards`` is [B] with the n samples of one prompt adjacent, so group g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from areal_npu.algo.segments import broadcast_to_tokens, resolve_segment_ids
+
+
+@dataclass
+class GRPOConfig:
+    std_normalize: bool = True  # false: Dr.GRPO (mean-centred only)
 
 
 def grpo_advantages(

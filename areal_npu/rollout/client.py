@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from areal_npu import names
 from areal_npu.rollout.buckets import iter_buckets, pack_bucket, split_policy_and_draft
-from areal_npu.rollout.metrics import SpecCounters, SpecMetricsTracker
+from areal_npu.spec.acceptance import SpecCounters, SpecMetricsTracker
 
 logger = logging.getLogger(__name__)
 
@@ -300,8 +301,8 @@ class RolloutClient:
         (per second an engine had work: the throughput speculation changes) since the previous call."""
         stats = self.tracker.step(await self.counters())
         busy = self.busy.delta(self.in_flight)
-        stats["rollout/busy_s"] = busy
-        stats["rollout/tokens_per_busy_s"] = stats["rollout/generated_tokens"] / busy if busy > 0 else 0.0
+        stats[names.BUSY_S] = busy
+        stats[names.TOKENS_PER_BUSY_S] = stats[names.GENERATED_TOKENS] / busy if busy > 0 else 0.0
         return stats
 
     async def update_weights(

@@ -53,16 +53,17 @@ class SpecConfig:
     draft_model: str | None = None  # path, for draft_model / eagle / eagle3
     draft_enforce_eager: bool = True  # no graph capture for the drafter
     # The MTP head is trained with the policy: weight updates carry mtp.* too. False = frozen head:
-    # the drafter is loaded once from the checkpoint and never touched.
+    # the drafter is loaded once from the checkpoint and never touched. A recipe resolves it to what
+    # is actually synced (false unless the drafter is our MTP head and it trains; areal_npu/recipe.py).
     sync_draft: bool = True
     prompt_lookup_max: int = 4  # ngram only
     prompt_lookup_min: int = 2  # ngram only
-    # Adaptive draft length (areal_npu.spec_policy): num_speculative_tokens becomes the deepest k
+    # Adaptive draft length (areal_npu.spec.policy): num_speculative_tokens becomes the deepest k
     # tried; the trainer changes k between steps (0 = off) from measured acceptance and tokens/s.
     adaptive: bool = False
     adapt: dict[str, Any] = field(default_factory=dict)  # SpecAdaptConfig fields (k_max is set here)
     # At k = 0 vLLM still runs the drafter (to keep its KV cache complete), a rejection-sampler
-    # pass and a draft-token fetch; we skip them (areal_npu/compat/vllm_spec_off.py). True keeps
+    # pass and a draft-token fetch; we skip them (areal_npu/compat/vllm/spec_off.py). True keeps
     # vLLM's behaviour.
     off_keeps_drafter_kv: bool = False
 
@@ -101,14 +102,14 @@ class SpecConfig:
                     f"method {self.method!r}: adaptive draft length is built and tested for MTP drafters only",
                 )
             self.adapt_config()
-            # runtime k is vLLM's dynamic speculative-decoding table (spec_k.py)
+            # runtime k is vLLM's dynamic speculative-decoding table (spec/k_driver.py)
             vllm_features.require("dynamic_spec_tokens", "adaptive", "adaptive draft length (runtime k)")
         elif self.adapt:
             raise ConfigError("adapt", "is only read when adaptive is true")
 
     def adapt_config(self):
         """The adaptive policy's settings: ``adapt`` overrides, ``k_max`` = num_speculative_tokens."""
-        from areal_npu.spec_policy import SpecAdaptConfig
+        from areal_npu.spec.policy import SpecAdaptConfig
 
         known = {f.name for f in fields(SpecAdaptConfig)}
         unknown = sorted(set(self.adapt) - known)
@@ -138,7 +139,7 @@ class SpecConfig:
             out["prompt_lookup_max"] = self.prompt_lookup_max
             out["prompt_lookup_min"] = self.prompt_lookup_min
         if self.adaptive:
-            from areal_npu.rollout.spec_k import dynamic_table
+            from areal_npu.spec.k_driver import dynamic_table
 
             out["num_speculative_tokens_per_batch_size"] = dynamic_table(self.adapt_config().k_init)
         return out
@@ -259,10 +260,10 @@ class RolloutConfig:
             if vllm_features.has("per_request_spec_metrics"):  # else samples' "spec" is null (server.py)
                 args += ["--per-request-spec-decode-metrics", "summary"]
             if self.spec.adaptive:
-                args += ["--scheduler-cls", "areal_npu.rollout.spec_k.runtime_k_scheduler"]
-        from areal_npu.compat import vllm023_gdn_state
+                args += ["--scheduler-cls", "areal_npu.spec.k_driver.runtime_k_scheduler"]
+        from areal_npu.compat.vllm import v023_gdn_state
 
-        args += vllm023_gdn_state.engine_args(self.device_type(), self.extra_engine_args)
+        args += v023_gdn_state.engine_args(self.device_type(), self.extra_engine_args)
         if "limit_mm_per_prompt" not in self.extra_engine_args and is_multimodal_checkpoint(self.model):
             # Rollouts are text only: vLLM then builds no vision encoder and reserves no memory for
             # it, and the vision tower is neither trained nor synced (areal_npu/model/layout.py).

@@ -16,7 +16,7 @@ agent frameworks; this module adds, under ``/areal``:
 * ``POST /areal/update_weights/collective/{init,start,chunk,finish}`` -- vLLM's weight-transfer
   engines (NCCL / CUDA IPC, and vLLM-Ascend's HCCL / NPU IPC) for device-to-device updates.
 * ``POST /areal/spec_k`` -- ``{"k": K}``: draft length from the next scheduler step on (engines
-  started with ``spec.adaptive``; 0 = no drafts; see ``spec_k.py``).
+  started with ``spec.adaptive``; 0 = no drafts; see :mod:`areal_npu.spec.k_driver`).
 * ``GET /areal/metrics`` (cumulative acceptance counters as JSON), ``GET /areal/version`` (weight
   version, and the vLLM version and feature map: ``vllm_features.py``).
 
@@ -36,9 +36,10 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from areal_npu.rollout import request_body, spec_k, vllm_features
+from areal_npu.rollout import request_body, vllm_features
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.parent_watch import die_with_parent
+from areal_npu.spec import k_driver
 
 TRANSFER_BACKENDS = {"nccl": "nccl", "cuda_ipc": "ipc", "hccl": "hccl", "npu_ipc": "npu_ipc"}
 
@@ -57,7 +58,7 @@ class EngineState:
         self.lock = asyncio.Lock()
         self.started = time.time()
         self.failed_update: str | None = None
-        self.spec_k_file: str | None = os.environ.get(spec_k.ENV_FILE)
+        self.spec_k_file: str | None = os.environ.get(k_driver.ENV_FILE)
         self.spec_k = cfg.spec.adapt_config().k_init if cfg.spec.adaptive else cfg.spec.num_speculative_tokens
         # vLLM fills CompletionOutput.spec_decode_metrics only where it has the flag (vllm_features)
         self.per_request_spec = cfg.spec.enabled and vllm_features.has("per_request_spec_metrics")
@@ -177,7 +178,7 @@ def make_router(state: EngineState):
             raise HTTPException(status_code=400, detail="this engine was not started with spec.adaptive")
         body = await _body(request, request_body.spec_k_fields(state.cfg.spec.num_speculative_tokens))
         k = body["k"]
-        spec_k.write_k(state.spec_k_file, k)
+        k_driver.write_k(state.spec_k_file, k)
         state.spec_k = k
         return {"k": k}
 
@@ -185,7 +186,7 @@ def make_router(state: EngineState):
     async def metrics():
         from vllm.v1.metrics.reader import get_metrics_snapshot
 
-        from areal_npu.rollout.metrics import SpecCounters
+        from areal_npu.spec.acceptance import SpecCounters
 
         return SpecCounters.from_vllm_metrics(get_metrics_snapshot(), now=time.time()).to_dict()
 
@@ -369,12 +370,12 @@ async def serve(cfg: RolloutConfig, port: int) -> None:
         import tempfile
 
         control = Path(tempfile.mkdtemp(prefix="areal-spec-k-")) / "k"
-        spec_k.write_k(control, cfg.spec.adapt_config().k_init)
-        os.environ[spec_k.ENV_FILE] = str(control)
+        k_driver.write_k(control, cfg.spec.adapt_config().k_init)
+        os.environ[k_driver.ENV_FILE] = str(control)
         if not cfg.spec.off_keeps_drafter_kv:
-            from areal_npu.compat import vllm_spec_off
+            from areal_npu.compat.vllm import spec_off
 
-            os.environ[vllm_spec_off.SKIP_ENV] = "1"  # read in the worker (worker_ext)
+            os.environ[spec_off.SKIP_ENV] = "1"  # read in the worker (worker_ext)
     transport = cfg.resolved_transport()
     if transport in TRANSFER_BACKENDS:
         argv += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKENDS[transport]})]
@@ -402,7 +403,7 @@ async def serve(cfg: RolloutConfig, port: int) -> None:
         if cfg.spec.adaptive:
             import shutil
 
-            shutil.rmtree(Path(os.environ[spec_k.ENV_FILE]).parent, ignore_errors=True)
+            shutil.rmtree(Path(os.environ[k_driver.ENV_FILE]).parent, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,7 @@ with the version named, or given a 0.23 path -- never accepted and ignored):
   ``vllm.entrypoints.launchers``; 0.23 has them in ``vllm.entrypoints.openai.api_server``
   (the server imports from whichever exists: same functions).
 * ``dynamic_spec_tokens`` -- ``num_speculative_tokens_per_batch_size``, behind runtime ``k``
-  (``spec_k.py``): ``spec.adaptive`` is refused on 0.23.
+  (``spec/k_driver.py``): ``spec.adaptive`` is refused on 0.23.
 * ``per_request_spec_metrics`` -- ``--per-request-spec-decode-metrics``: on 0.23 a sample's
   ``spec`` is null; acceptance comes from the engine counters (``/areal/metrics``), which 0.23 has.
 * ``qwen3_5_text_class`` -- 0.23 serves Qwen3.5 only in the published (VL) layout: a checkpoint
@@ -169,7 +169,7 @@ FEATURES: dict[str, Feature] = {
     ),
     "cpu_kernel_registry": Feature(
         (0, 32, 0),
-        "vllm.triton_utils.dispatcher.register_kernels (CPU kernel overrides; compat/vllm_cpu_sampling.py)",
+        "vllm.triton_utils.dispatcher.register_kernels (CPU kernel overrides; compat/vllm/cpu_sampling.py)",
         lambda: _has("vllm.triton_utils.dispatcher", "register_kernels"),
     ),
     "cpu_hybrid_speculation": Feature(

@@ -12,16 +12,16 @@ vLLM 0.32; the model runner's ``drafter.model`` on 0.23, which has the same laye
 
 from __future__ import annotations
 
-from areal_npu.compat import vllm_cpu_mamba, vllm_cpu_sampling, vllm_spec_off
+from areal_npu.compat.vllm import cpu_mamba, cpu_sampling, spec_off
 from areal_npu.rollout import vllm_features
 
 # vLLM imports this class in each worker right after registering its CPU kernel overrides: the
-# moment to replace the broken one (see areal_npu/compat/vllm_cpu_sampling.py).
-vllm_cpu_sampling.apply()
+# moment to replace the broken one (see areal_npu/compat/vllm/cpu_sampling.py).
+cpu_sampling.apply()
 # adaptive speculation: no drafter forward while k = 0 (only when the server asked for it)
-vllm_spec_off.apply()
+spec_off.apply()
 if vllm_features.has("cpu_kernel_registry"):  # registers through 0.32's kernel registry (0.23 has none)
-    vllm_cpu_mamba.apply()  # hybrid + speculation + prefix caching on the CPU (compat/vllm_cpu_mamba.py)
+    cpu_mamba.apply()  # hybrid + speculation + prefix caching on the CPU (compat/vllm/cpu_mamba.py)
 
 TARGETS = ("policy", "draft")
 

@@ -39,10 +39,12 @@ IGNORE = -100
 
 @dataclass
 class TrainEngineConfig:
-    dtype: str = "float32"  # float32 | bfloat16 (parameters and compute; gradients reduced in fp32)
+    # Compute dtype: float32 | bfloat16. Parameters, gradients and optimizer states are float32
+    # either way (fp32 master weights); bfloat16 is the forward/backward copy FSDP2 casts at unshard.
+    dtype: str = "float32"
     logprob_chunk_size: int = 2048  # tokens per chunk of the [T, V] log-prob computation
     temperature: float = 1.0  # must match the behaviour log-probs (vLLM raw log-probs: 1.0)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute each decoder layer (policy and MTP head) in backward
     ppo_minibatches: int = 1  # optimizer steps per train step (PPO mini-batches); the version bumps once
     optim: OptimConfig = field(default_factory=OptimConfig)
     packing: PackingConfig = field(default_factory=lambda: PackingConfig(max_tokens_per_mb=8192))
@@ -70,6 +72,34 @@ class TrainEngineConfig:
             raise ValueError("temperature must be > 0")
         if self.ppo_minibatches < 1:
             raise ValueError("ppo_minibatches must be >= 1")
+
+
+def enable_activation_checkpointing(lm: nn.Module, mtp: nn.Module | None) -> None:
+    """Recompute every decoder layer of the causal LM and of the MTP head in backward (torch's
+    non-reentrant checkpoint): only each layer's input is kept between forward and backward.
+
+    transformers checkpoints a layer only while ``layer.training`` is set, and ``from_pretrained``
+    returns a model in eval mode, where the option would silently do nothing. The flag is set on
+    the layers alone (``.train()`` would recurse and switch on dropout inside them)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # It also hooks the embedding output to require grad (for reentrant checkpoints and adapters):
+    # not needed non-reentrant, and it would build the frozen backbone's graph in MTP-only mode.
+    lm.disable_input_require_grads()
+    layers = list(lm.model.layers) + (list(mtp.layers) if mtp is not None else [])
+    for layer in layers:
+        if not isinstance(layer, GradientCheckpointingLayer):
+            raise ValueError(
+                f"gradient_checkpointing: {type(layer).__name__} is not a transformers "
+                "GradientCheckpointingLayer, so it cannot be recomputed"
+            )
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        layer.training = True
 
 
 class FSDPEngine:
@@ -117,11 +147,16 @@ class FSDPEngine:
             raise ValueError("mtp.enabled but no MTP head was given (load one or set mtp.init_new_head)")
         mtp = mtp if self.mtp_config.enabled else None
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        self.compute_dtype = dtype
         enable_packed_attention(lm)
         if config.gradient_checkpointing:
-            lm.gradient_checkpointing_enable()
+            enable_activation_checkpointing(lm, mtp)
         groups = apply_mtp_mode(lm, mtp, self.mtp_config)
-        self.module = PolicyWithMTP(lm, mtp).to(device=self.device, dtype=dtype)
+        # fp32 master weights whatever the compute dtype (a model loaded in bf16 is upcast): the
+        # optimizer then keeps fp32 states and applies updates below bf16's resolution, which a
+        # bf16 parameter would round away. FSDP2 all-gathers bf16 copies for the compute
+        # (param_dtype) and reduces gradients in fp32 into the fp32 shards.
+        self.module = PolicyWithMTP(lm, mtp).to(device=self.device, dtype=torch.float32)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for layer in list(lm.model.layers) + (list(mtp.layers) if mtp is not None else []):
             fully_shard(layer, mp_policy=policy)
@@ -395,7 +430,8 @@ class FSDPEngine:
 
     def export_buckets(self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")):
         """Weights for the rollout sync in size-bounded buckets: ``(kind, [(name, tensor), ...])``,
-        under the names of the checkpoint's layout (what the engine's ``load_weights`` takes).
+        under the names of the checkpoint's layout (what the engine's ``load_weights`` takes), in
+        the compute dtype (``config.dtype``; :meth:`full_state_dict` gives the fp32 masters).
 
         ``kind`` is ``policy`` or ``mtp`` (vLLM loads the drafter separately), or ``vision`` (a
         published checkpoint's untouched vision tower; only when asked: vLLM serving with images
@@ -412,8 +448,14 @@ class FSDPEngine:
             "vision": "vision" in kinds,
         }
         carried = ((n, "vision", t) for n, t in self.layout.carried.items())
+        # The compute dtype's copy of the fp32 masters: the weights the trainer's forward uses, at
+        # half the bytes per sync for bf16 (checkpoints keep the fp32 masters).
         named = (
-            (self.layout.checkpoint_name(n), "mtp" if n.startswith("mtp.") else "policy", t)
+            (
+                self.layout.checkpoint_name(n),
+                "mtp" if n.startswith("mtp.") else "policy",
+                t.to(self.compute_dtype) if t.is_floating_point() else t,
+            )
             for n, t in self.full_state_dict()
         )
         bucket: list = []

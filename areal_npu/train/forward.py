@@ -53,7 +53,9 @@ class PolicyWithMTP(nn.Module):
             cu_seqlens=cu,
             max_seqlen=batch["max_seqlen"],
         )
-        loss, stats = mtp_loss(mtp_hidden, head, targets, mtp_args["loss_scale"], mtp_args["counts"])
+        loss, stats = mtp_loss(
+            mtp_hidden, head, targets, mtp_args["loss_scale"], mtp_args["counts"], chunk_size=chunk_size
+        )
         return logp, entropy, loss, stats
 
 

@@ -2,7 +2,12 @@ import math
 
 import pytest
 import torch
-from areal_npu.kernels.logprobs import chunked_logprobs, chunked_logprobs_entropy, naive_logprobs_entropy
+from areal_npu.kernels.logprobs import (
+    chunked_logprobs,
+    chunked_logprobs_entropy,
+    chunked_logprobs_hits,
+    naive_logprobs_entropy,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -153,3 +158,37 @@ def test_fused_pointwise_matches_eager_on_this_device():
 
     for a, b in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature, fused", [(1.0, False), (0.6, False), (0.6, True)])
+def test_hits_are_the_argmax_of_full_logits_and_logp_is_unchanged(temperature, fused):
+    """``fused=True`` is CUDA's default path (the per-chunk work compiled), run here on this device."""
+    hidden, weight, targets = make(41, 8, 30, seed=11, ignore_every=6)
+    full = hidden @ weight.t()
+    targets[1::4] = full[1::4].argmax(-1)  # some targets are the argmax
+    targets[0] = -100
+    h = hidden.clone().requires_grad_()
+    logp, hits = chunked_logprobs_hits(h, weight, targets, temperature=temperature, chunk_size=9, fused=fused)
+    expected = (full.argmax(-1) == targets) & (targets >= 0)
+    assert hits.dtype == torch.bool and not hits.requires_grad
+    assert torch.equal(hits, expected) and int(hits.sum()) >= 8
+    ref_lp, _ = naive_logprobs_entropy(hidden, weight, targets, temperature)
+    torch.testing.assert_close(logp, ref_lp, rtol=1e-5, atol=1e-6)
+    logp.sum().backward()
+    h2 = hidden.clone().requires_grad_()
+    naive_logprobs_entropy(h2, weight, targets, temperature)[0].sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=1e-5)  # the fp32 bound used above
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.3])
+def test_fused_logp_only_gradient_with_temperature(temperature):
+    """Only logp carries gradient (the entropy is a detached statistic, as in the PPO loss) and
+    tau != 1, over several chunks: the compiled per-chunk work gives the naive gradient. (It did not
+    when the logits were scaled with ``torch.add(..., alpha=1/tau)``: errors of 5 to 7000.)"""
+    hidden, weight, targets = make(41, 8, 30, seed=11, ignore_every=6)
+    h = hidden.clone().requires_grad_()
+    lp, _ = chunked_logprobs_entropy(h, weight, targets, temperature=temperature, chunk_size=9, fused=True)
+    lp.sum().backward()
+    h2 = hidden.clone().requires_grad_()
+    naive_logprobs_entropy(h2, weight, targets, temperature)[0].sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=1e-5)

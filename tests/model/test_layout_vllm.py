@@ -8,7 +8,7 @@ vLLM serves them (its CPU Gated DeltaNet kernel needs bf16), computing in float3
 Checked per generated token: vLLM's raw log-prob equals the reference's within ``LOGP_TOL``, and
 vLLM's greedy token is the reference's argmax up to that tolerance (a bf16 near-tie may go either
 way). The speculative variant drafts with the MTP head (``method: mtp``; on a hybrid model this
-needs ``areal_npu/compat/vllm_cpu_mamba.py``, loaded in the worker by the weight-sync extension)
+needs ``areal_npu/compat/vllm/cpu_mamba.py``, loaded in the worker by the weight-sync extension)
 and syncs the drafter too.
 """
 
@@ -146,7 +146,7 @@ def test_vllm_serves_the_published_layout_and_takes_exported_weights(
                 want = float(exported[f"mtp.{norm}.weight"].to(torch.bfloat16).float().sum())
                 assert want != 0.0
                 assert sums[f"model.{norm}.weight"] == pytest.approx(want, rel=1e-3, abs=1e-3), norm
-            from areal_npu.rollout.smoke import spec_counters
+            from areal_npu.testing.smoke import spec_counters
 
             counters = spec_counters(llm.get_metrics())
             record_property("spec_accept_rate", counters["accept_rate"])

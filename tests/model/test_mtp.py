@@ -249,7 +249,7 @@ def test_backbone_gradients_bit_identical_with_and_without_mtp_loss(linear_every
         model.zero_grad(set_to_none=True)
         mtp.zero_grad(set_to_none=True)
         out = joint_forward(model, mtp, targets, batch.input_ids, batch.position_ids, batch.cu_seqlens)
-        from areal_npu.model.warmstart import next_token_loss
+        from areal_npu.testing.sft import next_token_loss
 
         loss, _ = next_token_loss(out.logits[0], batch, policy_mask)
         (loss + out.mtp_loss if with_mtp else loss).backward()
@@ -469,7 +469,7 @@ def test_mtp_loss_rejects_wrong_shapes():
 
 
 def _warm(mode_cfg, steps=3):
-    from areal_npu.model.warmstart import sft_warm_start
+    from areal_npu.testing.sft import sft_warm_start
 
     model, mtp = tiny(linear_every=2)
     seqs = sequences(10, [12, 7, 9, 5])

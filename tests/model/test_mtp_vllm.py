@@ -17,7 +17,7 @@ import torch
 from areal_npu.model.mtp import MTPConfig, init_mtp_weights
 from areal_npu.model.mtp_checkpoint import save_model_with_mtp
 from areal_npu.model.tiny import TinyModelConfig, build_tiny_model
-from areal_npu.model.warmstart import evaluate_mtp, pattern_corpus, sft_warm_start
+from areal_npu.testing.sft import evaluate_mtp, pattern_corpus, sft_warm_start
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -33,7 +33,7 @@ def per_position_acceptance(spec: dict) -> list[float]:
 
 def test_trained_head_is_accepted_by_vllm_and_acc_d1_predicts_it(tmp_path, record_property):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from areal_npu.rollout.smoke import generate
+    from areal_npu.testing.smoke import generate
 
     torch.manual_seed(0)
     model, mtp, tokenizer = build_tiny_model(TinyModelConfig())

@@ -8,7 +8,7 @@ all full attention: 0.23's CPU Gated DeltaNet kernel refuses speculative decodin
 ("speculative decode not supported in CPU GDN attention"), so a hybrid cannot speculate there,
 while the VL class with full attention only runs on 0.23 (0.32 refuses it: "no mamba layers"),
 in float32 like the text model. Both get the near-oracle drafter construction of
-``areal_npu.rollout.synthetic``, on their own names; both are checked to 1e-4 in log-prob and
+``areal_npu.testing.synthetic``, on their own names; both are checked to 1e-4 in log-prob and
 token for token against transformers (``ServedModel.load_reference``).
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from areal_npu.rollout import reference, synthetic, vllm_features
+from areal_npu.rollout import vllm_features
+from areal_npu.testing import reference, synthetic
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Two engines started with ``spec.adaptive`` (draft length changed at run time through
 ``POST /areal/spec_k``): one whose MTP head is a near-oracle drafter
-(``areal_npu.rollout.synthetic``), one whose MTP head is random (drafts almost never accepted).
+(``areal_npu.testing.synthetic``), one whose MTP head is random (drafts almost never accepted).
 References: transformers greedy decoding and the exact next-token law of the same weights, and
 the engine's own counters.
 """
@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from areal_npu.model.tiny import save_tiny_model
-from areal_npu.rollout.adaptive import AdaptiveSpecDriver
 from areal_npu.rollout.client import EngineFailure, RolloutClient
 from areal_npu.rollout.config import RolloutConfig, SpecConfig
 from areal_npu.rollout.launcher import EngineProcess
-from areal_npu.rollout.reference import (
+from areal_npu.spec.adaptive import AdaptiveSpecDriver
+from areal_npu.spec.policy import SpecAdaptConfig
+from areal_npu.testing.reference import (
     cells,
     chi2_goodness_of_fit,
     exact_joint,
@@ -30,8 +31,7 @@ from areal_npu.rollout.reference import (
     random_prompts,
     sequence_logprobs,
 )
-from areal_npu.rollout.synthetic import save_aligned_model
-from areal_npu.spec_policy import SpecAdaptConfig
+from areal_npu.testing.synthetic import save_aligned_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -101,7 +101,7 @@ def test_greedy_is_identical_at_every_k(engines, ref):
 
 
 def test_behaviour_logprobs_match_transformers_at_runtime_k(engines, ref):
-    """k = 0 samples through the plain sampler (compat.vllm_spec_off), k = 2 through the rejection
+    """k = 0 samples through the plain sampler (compat.vllm.spec_off), k = 2 through the rejection
     sampler: both return log p of each sampled token as transformers computes it (<= 1e-4)."""
     prompts = random_prompts(3, seed=7)
 

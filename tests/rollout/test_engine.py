@@ -2,7 +2,7 @@
 
 One engine speculates (MTP, k = 2, method alias ``qwen3_5_mtp``), one decodes autoregressively;
 both serve the same synthetic checkpoint whose MTP head is a near-oracle drafter
-(``areal_npu.rollout.synthetic``: drafts mostly, not always, accepted). Every check compares with
+(``areal_npu.testing.synthetic``: drafts mostly, not always, accepted). Every check compares with
 an independent reference: a transformers forward pass of the same weights, the exact
 distribution enumerated with transformers, or the other engine.
 
@@ -32,7 +32,7 @@ from areal_npu.rollout import vllm_features
 from areal_npu.rollout.client import RolloutClient
 from areal_npu.rollout.config import RolloutConfig, SpecConfig
 from areal_npu.rollout.launcher import EngineProcess
-from areal_npu.rollout.reference import (
+from areal_npu.testing.reference import (
     cells,
     chi2_goodness_of_fit,
     chi2_two_sample,
@@ -41,7 +41,7 @@ from areal_npu.rollout.reference import (
     random_prompts,
     sequence_logprobs,
 )
-from areal_npu.rollout.synthetic import load_tensors, save_tensors
+from areal_npu.testing.synthetic import load_tensors, save_tensors
 from tests.rollout.engine_models import save_engine_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -168,7 +168,7 @@ def test_sampling_is_lossless_under_speculation(engines, ref):
     Power (simulated with these N and the exact law, 300 repetitions each): against alternatives at
     total-variation distance 0.02 the two-sample test rejects 83 % (2 % of mass moved between the two
     largest cells, the hardest case) to 98 % (random directions), the goodness-of-fit tests > 99 %.
-    Before the CPU sampling fix (areal_npu/compat/vllm_cpu_sampling.py) this test failed.
+    Before the CPU sampling fix (areal_npu/compat/vllm/cpu_sampling.py) this test failed.
     """
     n_per_request, requests = 500, 40
     exact = exact_joint(ref, PROMPT, 3, min_prob=1e-6)

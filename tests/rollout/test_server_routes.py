@@ -11,9 +11,10 @@ pytest.importorskip("fastapi")  # the server's dependency (vLLM brings it on eng
 from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from areal_npu.rollout import request_body, server, spec_k  # noqa: E402
+from areal_npu.rollout import request_body, server  # noqa: E402
 from areal_npu.rollout.client import RolloutClient  # noqa: E402
 from areal_npu.rollout.config import RolloutConfig, SpecConfig  # noqa: E402
+from areal_npu.spec import k_driver  # noqa: E402
 
 K_MAX = 3
 
@@ -49,7 +50,7 @@ def engine():
 
 @pytest.fixture
 def http(engine, tmp_path, monkeypatch):
-    monkeypatch.setenv(spec_k.ENV_FILE, str(tmp_path / "k"))
+    monkeypatch.setenv(k_driver.ENV_FILE, str(tmp_path / "k"))
     cfg = RolloutConfig(spec=SpecConfig(method="mtp", num_speculative_tokens=K_MAX, adaptive=True))
     app = FastAPI()
     app.include_router(server.make_router(server.EngineState(engine, cfg)))

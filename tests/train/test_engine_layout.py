@@ -192,11 +192,14 @@ def test_warm_start_writes_the_published_layout_back(checkpoints, tmp_path):
     from areal_npu.agent.tasks import make_splits
     from areal_npu.config import load_config
     from areal_npu.recipe import RLConfig
-    from areal_npu.run import warm_start
+    from areal_npu.train.warmstart import warm_start
 
     published, _ = checkpoints
     cfg = load_config(RLConfig, QUICKSTART, ["warmstart.steps=2", "warmstart.batch_size=4", "task.n_train=8"])
-    out = warm_start(cfg, published, make_splits(cfg.task)[0], tmp_path / "warm", Console(quiet=True))
+    out = warm_start(
+        published, make_splits(cfg.task)[0], tmp_path / "warm", Console(quiet=True),
+        cfg=cfg.warmstart, train=cfg.train, mtp=cfg.mtp, ppo=cfg.ppo, seed=cfg.seed,
+    )  # fmt: skip
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config
     saved, source = stored(out), stored(published)

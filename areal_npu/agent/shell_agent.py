@@ -1,0 +1,269 @@
+"""The multi-turn shell agent (mini-SWE-agent style) on repository tasks, token in, token out.
+
+One episode of a :class:`~areal_npu.agent.environments.RepoTask`::
+
+    prompt   = chat(system prompt, task message) + generation prompt        (loss 0)
+    repeat   model turn: reasoning + one ```bash block (engine tokens)     (loss 1, version, log-prob)
+             the command runs in the episode's jailed repository copy (RepoEnv)
+             observation turn: exit code + output (rendered by the chat template, tokenised once)
+                                                                             (loss 0, version -1)
+    until    the agent submits (:data:`~areal_npu.agent.actions.SUBMIT_MARKER`), ``max_turns`` model
+             turns, or the token budget ``shell.max_tokens`` (prompt + every turn) runs out
+    reward   the hidden tests (``RepoEnv.grade``) on the repository as the episode left it
+
+Conventions (prompts, action format, submission) are in :mod:`areal_npu.agent.actions`; how
+observation turns become tokens in :mod:`areal_npu.agent.chat_format`. Token budget: every model
+turn may generate ``workflow.max_new_tokens`` tokens, so an observation is appended only with room
+for one more full answer; a command output that does not fit is cut (head and tail kept, with a
+note); when not even the observation's frame fits, the episode ends. A malformed turn (no, two or
+more, or an empty bash block) gets a format error as its observation and the episode goes on.
+
+Per-episode numbers (turns, tokens, submitted, tests passed / pass rate, format errors, truncated
+observations, which budget ended it) are in each trajectory's ``meta["stats"]`` (floats); the
+grade's reason is ``meta["reason"]``. Environment work (reset, commands, grading) runs in a thread
+pool of ``shell.env_workers`` threads, so the event loop keeps feeding the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from areal_npu.agent import actions
+from areal_npu.agent.chat_format import ChatFormat
+from areal_npu.agent.environments import EnvLimits, RepoEnv, RepoTask
+from areal_npu.agent.jail import JailLimits, backend
+from areal_npu.config import ConfigError
+from areal_npu.data.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from areal_npu.agent.workflows import WorkflowConfig
+
+OBSERVATION_ROLES = ("user", "tool")
+_OUTPUT = "<<areal-npu command output 9b2e>>"  # where the output goes in an observation's text
+BUDGET_NOTE = "\n[... output cut to fit the episode's token budget ...]\n"
+
+
+@dataclass
+class ShellAgentConfig:
+    """the shell agent (workflow.path areal_npu.agent.shell_agent.ShellAgent): budgets and its jail"""
+
+    max_tokens: int = 65536  # token budget of one episode: prompt, model turns and observations together
+    observation_chars: int = 10000  # command output longer than this is cut to its head and tail with a note
+    observation_role: str = "user"  # chat role of observation turns: user (mini-SWE-agent) | tool
+    # the system message; empty: the built-in one (areal_npu.agent.actions.SYSTEM_PROMPT)
+    system_prompt: str = ""
+    jail: str = "bwrap"  # the jail each command and the grading run in
+    command_timeout_s: float = 30.0  # wall-clock and CPU seconds of one command (its whole process tree)
+    episode_seconds: float = 600.0  # wall clock of all of an episode's commands together
+    env_workers: int = 2  # jailed commands and gradings that run at the same time (per workflow)
+
+    def validate(self) -> None:
+        for key in ("max_tokens", "observation_chars", "env_workers"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1; got {getattr(self, key)}")
+        if self.observation_chars < 200:
+            raise ConfigError(
+                "observation_chars",
+                f"must be >= 200 (room for a head, a tail and the note); got {self.observation_chars}",
+            )
+        if self.observation_role not in OBSERVATION_ROLES:
+            raise ConfigError(
+                "observation_role",
+                f"must be one of {', '.join(OBSERVATION_ROLES)}; got {self.observation_role!r}",
+            )
+        for key in ("command_timeout_s", "episode_seconds"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, f"must be > 0; got {getattr(self, key)}")
+        backend(self.jail)  # ConfigError("jail", ...) naming the known backends
+
+    def env_limits(self) -> EnvLimits:
+        t = self.command_timeout_s
+        return EnvLimits(
+            command=JailLimits(wall_seconds=t, cpu_seconds=t), episode_seconds=self.episode_seconds
+        )
+
+
+@dataclass
+class EpisodeStats:
+    turns: int = 0  # model turns
+    tokens: int = 0  # prompt + response
+    model_tokens: int = 0
+    submitted: int = 0
+    format_errors: int = 0
+    truncated_observations: int = 0  # cut to observation_chars or to the token budget
+    turn_budget: int = 0  # 1: the episode ended at max_turns
+    token_budget: int = 0  # 1: the episode ended at the token budget
+    tests_passed: int = 0
+    tests_total: int = 0
+    pass_rate: float = 0.0
+    reward: float = 0.0
+
+    def as_floats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+
+class _PooledEnv:
+    """A RepoEnv whose blocking calls run in the pool; closed after a command still running ends."""
+
+    def __init__(self, env: RepoEnv, pool: ThreadPoolExecutor):
+        self.env, self.pool = env, pool
+        self.pending: Future | None = None
+
+    async def call(self, fn, *args):
+        self.pending = self.pool.submit(fn, *args)
+        result = await asyncio.wrap_future(self.pending)
+        self.pending = None
+        return result
+
+    def close_soon(self) -> None:
+        """Remove the copy now, or (cancelled mid-command) once that command has ended."""
+        if self.pending is None:
+            self.env.close()
+        else:
+            self.pending.add_done_callback(lambda _: self.env.close())  # runs at once when done
+
+
+class ShellAgent:
+    """``workflow.path: areal_npu.agent.shell_agent.ShellAgent``; tasks are ``RepoTask``s."""
+
+    #: WorkflowConfig keys this workflow reads besides path, group_size, temperature and top_p
+    config_keys = frozenset({"max_new_tokens", "max_turns", "shell"})
+
+    @staticmethod
+    def check_config(cfg: WorkflowConfig) -> None:
+        if cfg.shell.max_tokens <= cfg.max_new_tokens:
+            raise ConfigError("shell.max_tokens", f"({cfg.shell.max_tokens}) leaves no room for a prompt "
+                              f"besides one turn of max_new_tokens ({cfg.max_new_tokens})")  # fmt: skip
+        ok, why = backend(cfg.shell.jail).available()
+        if not ok:
+            raise ConfigError("shell.jail", f"{cfg.shell.jail!r} cannot run here: {why}")
+
+    def __init__(self, cfg: WorkflowConfig, tokenizer):
+        self.cfg, self.shell = cfg, cfg.shell
+        self.tokenizer = tokenizer
+        self.chat = ChatFormat(tokenizer, self.shell.observation_role)
+        self.limits = self.shell.env_limits()
+        self.pool = ThreadPoolExecutor(self.shell.env_workers, thread_name_prefix="shell-agent-env")
+
+    def encode(self, text: str) -> list[int]:
+        return self.chat.encode(text)
+
+    def prompt_ids(self, task: RepoTask) -> list[int]:
+        system = self.shell.system_prompt or actions.SYSTEM_PROMPT
+        return self.encode(
+            self.chat.prompt_text(system, actions.TASK_PROMPT.format(problem=task.problem_statement))
+        )
+
+    async def run(self, task: RepoTask, client, group_id: int) -> list[Trajectory]:
+        prompt = self.prompt_ids(task)
+        results = await asyncio.gather(
+            *(self.episode(task, client, prompt, group_id) for _ in range(self.cfg.group_size)),
+            return_exceptions=True,
+        )
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException):
+                raise RuntimeError(
+                    f"episode {i} of task {task.task_id!r} failed: {type(r).__name__}: {r}"
+                ) from r
+        return list(results)
+
+    async def eval_episode(self, task: RepoTask, client) -> dict[str, float]:
+        """One episode under the weights the engines serve now: its stats (``reward`` among them)."""
+        traj = await self.episode(task, client, self.prompt_ids(task), group_id=-1)
+        return dict(traj.meta["stats"])
+
+    async def _generate(self, client, input_ids: list[int], max_tokens: int):
+        result = await client.generate(input_ids, max_tokens=max_tokens, temperature=self.cfg.temperature,
+                                       top_p=self.cfg.top_p, stop_token_ids=self.chat.stop_ids, n=1)  # fmt: skip
+        if result.failed:
+            raise RuntimeError(f"generation failed after {result.attempts} attempts: {result.error}")
+        return result.samples[0]
+
+    def _observation_ids(
+        self, content: str, output: str, model_ended_turn: bool, room: int
+    ) -> tuple[list[int], bool] | None:
+        """Tokens of one observation turn within ``room`` tokens (the output cut in the middle when
+        needed); ``(ids, whether the output was cut)``, or None when even an empty output does not fit."""
+        text = self.chat.observation_text(content, model_ended_turn)
+        before, _, after = text.partition(_OUTPUT)
+        whole = self.encode(before + output + after)  # tokenised as one text when it fits
+        if len(whole) <= room:
+            return whole, False
+        pre, out, post = self.encode(before), self.encode(output), self.encode(after)
+        note = self.encode(BUDGET_NOTE)
+        keep = room - len(pre) - len(post) - len(note)
+        if keep < 0:
+            return None
+        head = keep // 2
+        tail = out[len(out) - (keep - head) :] if keep > head else []
+        return pre + out[:head] + note + tail + post, True
+
+    async def episode(self, task: RepoTask, client, prompt: list[int], group_id: int) -> Trajectory:
+        cfg, stats = self.cfg, EpisodeStats()
+        if len(prompt) + 1 > self.shell.max_tokens:
+            raise ValueError(f"the prompt of task {task.task_id!r} has {len(prompt)} tokens, no room in "
+                             f"shell.max_tokens={self.shell.max_tokens}")  # fmt: skip
+        response: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        mask: list[int] = []
+        env = _PooledEnv(RepoEnv(task, self.limits, self.shell.jail), self.pool)
+        end = "turn_budget"
+        try:
+            await env.call(env.env.reset)
+            for turn in range(cfg.max_turns):
+                room = self.shell.max_tokens - len(prompt) - len(response)
+                sample = await self._generate(client, prompt + response, min(cfg.max_new_tokens, room))
+                out_ids = list(sample.output_ids)
+                response += out_ids
+                logprobs += list(sample.logprobs)
+                versions += list(sample.versions)
+                mask += [1] * len(out_ids)
+                stats.turns += 1
+                action = actions.parse_action(self.tokenizer.decode(out_ids, skip_special_tokens=True))
+                output, cut = "", False
+                if action.command is None:
+                    stats.format_errors += 1
+                    content = actions.format_error(action)
+                else:  # runs even when no observation follows: its edits count at grading
+                    output, code = await env.call(env.env.run, action.command)
+                    if actions.is_submission(output):
+                        stats.submitted, end = 1, "submitted"
+                        break
+                    output, cut = actions.cut_middle(output, self.shell.observation_chars)
+                    content = actions.OBSERVATION.format(code=code, output=_OUTPUT)
+                if turn == cfg.max_turns - 1:
+                    break
+                if len(out_ids) >= room:  # the budget cut this turn short
+                    end = "token_budget"
+                    break
+                ended_turn = bool(out_ids) and out_ids[-1] == self.chat.end_of_turn_id
+                room = self.shell.max_tokens - len(prompt) - len(response) - cfg.max_new_tokens
+                observed = self._observation_ids(content, output, ended_turn, room)
+                if observed is None:
+                    end = "token_budget"
+                    break
+                obs_ids, budget_cut = observed
+                stats.truncated_observations += int(cut or budget_cut)
+                response += obs_ids
+                logprobs += [0.0] * len(obs_ids)
+                versions += [-1] * len(obs_ids)
+                mask += [0] * len(obs_ids)
+            grade = await env.call(env.env.grade)
+            await env.call(env.env.close)
+        finally:
+            env.close_soon()
+        details = grade.details
+        stats.turn_budget, stats.token_budget = int(end == "turn_budget"), int(end == "token_budget")
+        stats.tokens, stats.model_tokens = len(prompt) + len(response), sum(mask)
+        stats.tests_passed, stats.tests_total = int(details.get("passed", 0)), int(details.get("total", 0))
+        stats.pass_rate = stats.tests_passed / stats.tests_total if stats.tests_total else grade.reward
+        stats.reward = grade.reward
+        return Trajectory(prompt, response, logprobs, versions, reward=grade.reward, loss_mask=mask,
+                          group_id=group_id, finish_reason=end,
+                          meta={"reason": details.get("reason", "unknown"), "task_id": task.task_id,
+                                "family": task.meta.get("family", ""), "end": end,
+                                "stats": stats.as_floats()})  # fmt: skip

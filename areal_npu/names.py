@@ -1,0 +1,111 @@
+"""Metric keys and step phases: the one definition that every producer and reader imports.
+
+``metrics.jsonl`` holds one JSON object per training step (:mod:`areal_npu.metrics`). The keys
+below cross a module boundary -- written in one place (the controller, the rollout client, the
+acceptance tracker, the adaptive-speculation driver, the PPO loss, the planner) and read in another
+(the status line, ``areal-npu report``, ``areal-npu plan``, the planner, the driver). Keys only one
+module knows about (``ppo/clip_ratio``, ``grpo/*``, ...) stay with that module.
+
+Phases. One training step runs :data:`PHASES` one after the other, so ``T_step`` is their sum and
+``timing/step_s`` measures it. ``data`` and ``prepare`` (loading and preparing a batch, as NeMo-RL
+splits a step) come from the planner's command line; a run of ours logs ``gen`` (waiting for the
+batch of rollouts), ``prox`` (recomputing proximal log-probs; NeMo-RL's "logprob" phase), ``train``
+and ``sync`` (pushing policy and draft weights to the engines). :data:`SIDE_PHASES` are timed too but
+are not part of the sum: ``reward`` is the workflows' time (generation and grading) of the step's
+groups, summed over groups that run concurrently with each other and with ``gen``; ``eval`` (held-out
+prompts) runs after the step's clock stops.
+"""
+
+from __future__ import annotations
+
+PHASES = ("data", "prepare", "gen", "prox", "train", "sync")
+SIDE_PHASES = ("reward", "eval")
+
+STEP_TIME = "timing/step_s"  # wall seconds of the whole step (else the sum of PHASES)
+
+
+def timing_key(phase: str) -> str:
+    """``timing/<phase>_s``: seconds spent in ``phase`` during one step."""
+    if phase not in PHASES and phase not in SIDE_PHASES:
+        raise ValueError(f"phase: {phase!r} is not one of {PHASES + SIDE_PHASES}")
+    return f"timing/{phase}_s"
+
+
+# --- rewards and evaluation (the controller) -----------------------------------------------------
+REWARD_MEAN = "reward/mean"
+REWARD_MIN = "reward/min"
+REWARD_MAX = "reward/max"
+REWARD_SOLVED = "reward/solved"  # fraction of trajectories with reward >= 1
+EVAL_REWARD = "eval/reward"  # held-out prompts, one sample each
+EVAL_SOLVED = "eval/solved"
+EVAL_FAILED = "eval/failed"  # held-out tasks whose generation or grading failed (left out of the means)
+
+
+def eval_key(name: str) -> str:
+    """A workflow's per-episode number in the held-out eval (``eval/turns``, ``eval/pass_rate``)."""
+    return f"eval/{name}"
+
+
+def episode_key(name: str) -> str:
+    """A workflow's per-episode number (``Trajectory.meta["stats"]``), averaged over a step's batch."""
+    return f"episode/{name}"
+
+
+def reward_reason_key(reason: str) -> str:
+    """``reward/reason_<reason>``: trajectories of the step graded for that reason."""
+    return f"reward/reason_{reason}"
+
+
+# --- staleness and the rollout side of the loop (the controller) ----------------------------------
+STALENESS_MAX = "staleness/max"  # versions between a generated token and the step that trains it
+STALENESS_MEAN = "staleness/mean"
+STALE_DROPPED_GROUPS = "staleness/dropped_groups"
+RESPONSE_LEN = "rollout/response_len"  # mean generated tokens per trajectory
+FAILED_GROUPS = "rollout/failed_groups"  # groups dropped by a workflow error, since the start
+VERSION = "rollout/version"  # weight version the engines serve after the step's push
+
+# --- generation throughput (rollout client, acceptance tracker) -----------------------------------
+GENERATED_TOKENS = "rollout/generated_tokens"
+TOKENS_PER_S = "rollout/tokens_per_s"  # generated tokens per wall second, all engines together
+BUSY_S = "rollout/busy_s"  # seconds an engine had work (summed over engines)
+TOKENS_PER_BUSY_S = "rollout/tokens_per_busy_s"  # per second an engine had work: what speculation changes
+BATCH_SIZE = "rollout/batch_size"  # sequences decoding concurrently (the engine's running batch)
+
+# --- speculative decoding: acceptance (spec.acceptance) and draft length (spec.adaptive) ----------
+SPEC_DRAFTS = "rollout/spec_drafts"  # verify steps that carried drafts
+SPEC_DRAFT_TOKENS = "rollout/spec_draft_tokens"
+SPEC_ACCEPTED_TOKENS = "rollout/spec_accepted_tokens"
+SPEC_ACCEPT_RATE = "rollout/spec_accept_rate"  # accepted / drafted tokens
+SPEC_MEAN_ACCEPTED_LEN = "rollout/spec_mean_accepted_len"  # 1 + accepted / drafts: tokens per verify step
+SPEC_ACCEPT_PER_POS = "rollout/spec_accept_per_pos"  # list u_i, when a run logs the profile as one list
+SPEC_ACCEPT_RATE_POS_PATTERN = r"rollout/spec_accept_rate_pos(\d+)"
+SPEC_K = "rollout/spec_k"  # draft length the step ran with (0 = speculation off)
+SPEC_K_NEXT = "rollout/spec_k_next"  # draft length the adaptive policy chose for the next step
+
+
+def spec_accept_rate_pos_key(i: int) -> str:
+    """``rollout/spec_accept_rate_pos<i>``: ``u_i``, verify steps whose draft ``i + 1`` was accepted / drafts."""
+    return f"rollout/spec_accept_rate_pos{int(i)}"
+
+
+# --- speculation health (spec.planner.live_perf_metrics) -----------------------------------------
+GEN_FRACTION = "perf/gen_fraction"  # T_gen / T_step as measured
+STEP_SPEEDUP_BOUND = "perf/step_speedup_bound"
+STEP_SPEEDUP_CEILING = "perf/step_speedup_ceiling"
+
+# --- the trainer (algo.ppo, model.mtp_loss, the train engine) -------------------------------------
+BEHAVE_IMP_WEIGHT = "ppo/behave_imp_weight"  # prefix: /mean, /min, /max of pi_prox / pi_behave
+BEHAVE_IMP_WEIGHT_MEAN = BEHAVE_IMP_WEIGHT + "/mean"
+VERSION_LAG_MEAN = "ppo/version_lag/mean"
+VERSION_LAG_MAX = "ppo/version_lag/max"
+SFT_NLL = "sft/nll"  # warm start: next-token loss of the policy
+MTP_LOSS_DEPTH_PATTERN = r"mtp/loss_d(\d+)"
+MTP_ACC_DEPTH_PATTERN = r"mtp/acc_d(\d+)"
+
+
+def mtp_loss_key(depth: int) -> str:
+    return f"mtp/loss_d{int(depth)}"
+
+
+def mtp_acc_key(depth: int) -> str:
+    return f"mtp/acc_d{int(depth)}"

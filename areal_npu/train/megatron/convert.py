@@ -1,0 +1,253 @@
+"""Hugging Face Qwen3 <-> Megatron-Core ``GPTModel`` weights: an explicit name and layout table.
+
+On the Ascend images Megatron-Bridge (pinned to a commit that supports core 0.16) is the intended
+converter: it knows every model family and streams weights without holding a full copy. It is not
+used here because megatron-bridge 0.3.1 (the newest for Python 3.11) requires ``transformers<5``,
+Transformer Engine (CUDA 13 wheels) and ``mamba-ssm``, none of which install on a CPU machine with
+transformers 5. This table covers Qwen3 dense, the model the CPU tests build, and is verified
+independently: the Megatron model's logits on a packed batch equal transformers' per sequence, and
+an export loads back into transformers with the same logits (``tests/train/megatron``).
+
+Per decoder layer ``i`` (``H`` hidden, ``G`` query groups = KV heads, ``Hq`` query heads, ``d`` head
+dim, ``F`` FFN size; Megatron names under ``decoder.layers.{i}.``):
+
+=========================================  ==========================================  ===========
+HF                                         Megatron                                    TP split
+=========================================  ==========================================  ===========
+``input_layernorm.weight``                 ``input_layernorm.weight``                  replicated
+``self_attn.{q,k,v}_proj.weight``          ``self_attention.linear_qkv.weight``        dim 0
+``self_attn.q_norm.weight``                ``self_attention.q_layernorm.weight``       repl. (*)
+``self_attn.k_norm.weight``                ``self_attention.k_layernorm.weight``       repl. (*)
+``self_attn.o_proj.weight``                ``self_attention.linear_proj.weight``       dim 1
+``post_attention_layernorm.weight``        ``pre_mlp_layernorm.weight``                replicated
+``mlp.{gate,up}_proj.weight``              ``mlp.linear_fc1.weight``                   dim 0
+``mlp.down_proj.weight``                   ``mlp.linear_fc2.weight``                   dim 1
+=========================================  ==========================================  ===========
+
+(*) per-head norms: every TP rank holds the whole weight but applies it to its own heads only, so
+its gradient is a partial sum that must be all-reduced over TP (Megatron's
+``finalize_model_grads`` does the same for ``q_layernorm`` / ``k_layernorm``).
+
+plus ``model.embed_tokens.weight`` -> ``embedding.word_embeddings.weight`` (vocab, dim 0),
+``model.norm.weight`` -> ``decoder.final_layernorm.weight``, ``lm_head.weight`` ->
+``output_layer.weight`` (vocab, dim 0; absent with tied embeddings).
+
+Fused layouts:
+
+- ``linear_qkv`` interleaves per query group: ``[G, (Hq/G + 2) d, H]`` = for each group ``g``, its
+  ``Hq/G`` query heads, then its key head, then its value head. TP rank ``r`` holds the contiguous
+  groups ``r G/tp .. (r+1) G/tp - 1``, so a shard is a contiguous slice of the fused tensor.
+- ``linear_fc1`` is ``[gate; up]`` *per TP shard*: rank ``r`` holds ``[gate_r; up_r]`` (Megatron's
+  SwiGLU splits its local output in two halves), so the shards concatenated are
+  ``[gate_0; up_0; gate_1; up_1; ...]``, not ``[gate; up]``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from areal_npu.train.megatron.model import GPTShape
+
+__all__ = [
+    "LAYER_TABLE",
+    "MODEL_TABLE",
+    "export_buckets",
+    "hf_names",
+    "hf_to_mcore",
+    "mcore_to_hf",
+    "shard",
+    "tp_partial_grad_names",
+    "tp_partition_dims",
+]
+
+
+@dataclass(frozen=True)
+class Rule:
+    hf: tuple[str, ...]  # HF names (several for fused tensors), "{i}" = layer index
+    mcore: str  # Megatron name
+    kind: str  # replicated | head_norm | column | row | vocab | qkv | gate_up
+
+
+#: Kinds whose weight every TP rank holds whole.
+REPLICATED = ("replicated", "head_norm")
+
+
+LAYER_TABLE: tuple[Rule, ...] = (
+    Rule(("model.layers.{i}.input_layernorm.weight",), "decoder.layers.{i}.input_layernorm.weight", "replicated"),
+    Rule(
+        tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"),
+        "decoder.layers.{i}.self_attention.linear_qkv.weight",
+        "qkv",
+    ),
+    Rule(("model.layers.{i}.self_attn.q_norm.weight",), "decoder.layers.{i}.self_attention.q_layernorm.weight", "head_norm"),
+    Rule(("model.layers.{i}.self_attn.k_norm.weight",), "decoder.layers.{i}.self_attention.k_layernorm.weight", "head_norm"),
+    Rule(("model.layers.{i}.self_attn.o_proj.weight",), "decoder.layers.{i}.self_attention.linear_proj.weight", "row"),
+    Rule(("model.layers.{i}.post_attention_layernorm.weight",), "decoder.layers.{i}.pre_mlp_layernorm.weight", "replicated"),
+    Rule(
+        ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+        "decoder.layers.{i}.mlp.linear_fc1.weight",
+        "gate_up",
+    ),
+    Rule(("model.layers.{i}.mlp.down_proj.weight",), "decoder.layers.{i}.mlp.linear_fc2.weight", "row"),
+)  # fmt: skip
+
+MODEL_TABLE: tuple[Rule, ...] = (
+    Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "vocab"),
+    Rule(("model.norm.weight",), "decoder.final_layernorm.weight", "replicated"),
+    Rule(("lm_head.weight",), "output_layer.weight", "vocab"),
+)
+
+
+def rules(shape: GPTShape) -> list[Rule]:
+    """Every rule of this model, layer indices filled in (no ``lm_head`` when tied)."""
+    out = [r for r in MODEL_TABLE if not (shape.tie_word_embeddings and r.mcore == "output_layer.weight")]
+    for i in range(shape.num_layers):
+        out += [Rule(tuple(h.format(i=i) for h in r.hf), r.mcore.format(i=i), r.kind) for r in LAYER_TABLE]
+    return out
+
+
+def tp_partition_dims(shape: GPTShape) -> dict[str, int]:
+    """Megatron name -> the dim its TP shards split (replicated weights are absent)."""
+    dims = {"column": 0, "vocab": 0, "qkv": 0, "gate_up": 0, "row": 1}
+    return {r.mcore: dims[r.kind] for r in rules(shape) if r.kind not in REPLICATED}
+
+
+def tp_partial_grad_names(shape: GPTShape) -> list[str]:
+    """Replicated weights whose gradients are partial over TP ranks (the per-head q/k norms)."""
+    return [r.mcore for r in rules(shape) if r.kind == "head_norm"]
+
+
+def hf_names(shape: GPTShape) -> list[str]:
+    return [h for r in rules(shape) for h in r.hf]
+
+
+# ---- full tensors <-> the fused Megatron layout (tp = 1) ---------------------------------------
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: GPTShape) -> torch.Tensor:
+    g, d = shape.num_query_groups, shape.head_dim
+    per = shape.num_heads // g
+    hidden = q.shape[-1]
+    fused = torch.cat([q.view(g, per * d, hidden), k.view(g, d, hidden), v.view(g, d, hidden)], dim=1)
+    return fused.reshape(g * (per + 2) * d, hidden)
+
+
+def split_qkv(fused: torch.Tensor, shape: GPTShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = shape.num_query_groups, shape.head_dim
+    per = shape.num_heads // g
+    hidden = fused.shape[-1]
+    q, k, v = fused.view(g, (per + 2) * d, hidden).split([per * d, d, d], dim=1)
+    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+
+def shard(rule_kind: str, tensors: Sequence[torch.Tensor], shape: GPTShape, tp_rank: int, tp_size: int):
+    """This TP rank's Megatron tensor from the full HF tensor(s) of one rule."""
+    if rule_kind in REPLICATED:
+        return tensors[0]
+    if rule_kind in ("column", "vocab"):
+        return tensors[0].chunk(tp_size, dim=0)[tp_rank]
+    if rule_kind == "row":
+        return tensors[0].chunk(tp_size, dim=1)[tp_rank]
+    if rule_kind == "qkv":
+        return fuse_qkv(*tensors, shape).chunk(tp_size, dim=0)[tp_rank]  # contiguous query groups
+    if rule_kind == "gate_up":
+        gate, up = tensors
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
+    raise ValueError(f"unknown rule kind {rule_kind!r}")
+
+
+def unshard(rule_kind: str, shards: Sequence[torch.Tensor], shape: GPTShape) -> list[torch.Tensor]:
+    """The full HF tensor(s) of one rule from every TP rank's Megatron shard (rank order)."""
+    if rule_kind in REPLICATED:
+        return [shards[0]]
+    if rule_kind in ("column", "vocab"):
+        return [torch.cat(list(shards), dim=0)]
+    if rule_kind == "row":
+        return [torch.cat(list(shards), dim=1)]
+    if rule_kind == "qkv":
+        return list(split_qkv(torch.cat(list(shards), dim=0), shape))
+    if rule_kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    raise ValueError(f"unknown rule kind {rule_kind!r}")
+
+
+# ---- whole state dicts --------------------------------------------------------------------------
+def hf_to_mcore(
+    hf_state: Mapping[str, torch.Tensor], shape: GPTShape, tp_rank: int = 0, tp_size: int = 1
+) -> dict[str, torch.Tensor]:
+    """This TP rank's Megatron state dict from a full HF state dict; every HF tensor is used once
+    (an unknown or missing name is an error naming it)."""
+    out = {}
+    used = set()
+    for rule in rules(shape):
+        missing = [h for h in rule.hf if h not in hf_state]
+        if missing:
+            raise KeyError(f"HF checkpoint lacks {missing} (for {rule.mcore})")
+        out[rule.mcore] = shard(
+            rule.kind, [hf_state[h] for h in rule.hf], shape, tp_rank, tp_size
+        ).contiguous()
+        used.update(rule.hf)
+    unknown = sorted(n for n in hf_state if n not in used and not _ignored(n, shape))
+    if unknown:
+        raise KeyError(
+            f"HF tensors with no Megatron counterpart: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+        )
+    return out
+
+
+def _ignored(name: str, shape: GPTShape) -> bool:
+    # a tied checkpoint may still carry lm_head; rotary buffers are not weights
+    return (shape.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+
+
+def mcore_to_hf(
+    tp_shards: Sequence[Mapping[str, torch.Tensor]], shape: GPTShape
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) from every TP rank's Megatron state dict (list in TP rank order)."""
+    for rule in rules(shape):
+        tensors = unshard(rule.kind, [s[rule.mcore] for s in tp_shards], shape)
+        yield from zip(rule.hf, tensors)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def gathered_hf_tensors(
+    named_params: Mapping[str, torch.Tensor], shape: GPTShape, tp_group=None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full CPU tensor) for every weight, one rule at a time: shards are all-gathered over
+    ``tp_group`` (collective: every TP rank iterates), so at most one full tensor (or fused group)
+    exists beyond the model at a time."""
+    tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    for rule in rules(shape):
+        local = named_params[rule.mcore].detach()
+        if rule.kind in REPLICATED or tp == 1:
+            shards = [local]
+        else:
+            shards = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(shards, local.contiguous(), group=tp_group)
+        for name, tensor in zip(rule.hf, unshard(rule.kind, shards, shape)):
+            yield name, tensor.cpu().contiguous()
+
+
+def export_buckets(
+    named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs into buckets of at most ``bucket_bytes`` (a single larger
+    tensor is a bucket of its own), in order."""
+    bucket: list = []
+    size = 0
+    for name, tensor in itertools.chain(named):
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -1,0 +1,229 @@
+"""A Megatron-Core ``GPTModel`` built from a Hugging Face Qwen3 (dense) config, and its packed forward.
+
+What runs where:
+
+- **Qwen3 dense** (``model_type: qwen3``): here, on every device. Local layer spec (Megatron's own
+  ``ColumnParallelLinear`` / ``RowParallelLinear``, torch ``RMSNorm``) with the core attention
+  replaced by :class:`areal_npu.train.megatron.attention.PackedCoreAttention` (our packed kernel).
+- **Qwen3.5 / 3.6** (Gated DeltaNet hybrids, ``qwen3_5*``): not in Megatron-Core 0.16; on the
+  Ascend images it is meant to run through MindSpeed's Gated DeltaNet (unverified: no NPU here).
+  Refused on the CPU and CUDA with a sentence saying so; train it with ``train.backend: fsdp2``.
+- Refused everywhere (a sentence each): attention bias, sliding windows, RoPE scaling, MoE.
+
+The mapping HF <-> Megatron of the config (this module) and the weights
+(:mod:`areal_npu.train.megatron.convert`) is written out explicitly; on the images Megatron-Bridge
+is the intended path (see that module for why it is not used here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from areal_npu.train.megatron.runtime import import_megatron
+
+__all__ = [
+    "GPTShape",
+    "build_gpt_model",
+    "check_supported",
+    "decoder_hidden_states",
+    "gpt_shape",
+    "layer_spec",
+    "transformer_config",
+]
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+QWEN35_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _text_config(hf_config):
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def check_supported(hf_config, device_type: str = "cpu") -> None:
+    """Raise ``NotImplementedError`` with a sentence when this config cannot be built here."""
+    cfg = _text_config(hf_config)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in QWEN35_TYPES or "linear_attention" in (getattr(cfg, "layer_types", None) or []):
+        raise NotImplementedError(
+            f"{model_type}: Qwen3.5/3.6 (Gated DeltaNet) is not in Megatron-Core 0.16; it runs through "
+            f"MindSpeed on the NPU only (unverified), not on {device_type}. Use train.backend=fsdp2 here"
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"the Megatron engine builds {', '.join(SUPPORTED_MODEL_TYPES)} models, not {model_type!r}"
+        )
+    if getattr(cfg, "attention_bias", False):
+        raise NotImplementedError("attention_bias=True is not mapped (Qwen3 has none)")
+    if getattr(cfg, "use_sliding_window", False):
+        raise NotImplementedError("sliding-window attention is not supported by the packed attention")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise NotImplementedError(f"RoPE scaling {rope.get('rope_type')!r} is not mapped")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not mapped (SwiGLU only)")
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The shape facts both the model builder and the weight converter need."""
+
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+def gpt_shape(hf_config) -> GPTShape:
+    cfg = _text_config(hf_config)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    heads = cfg.num_attention_heads
+    return GPTShape(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=heads,
+        num_query_groups=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=float(theta),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
+
+
+def check_divisible(shape: GPTShape, tp_size: int) -> None:
+    """TP shards heads, query groups, the FFN and the vocabulary: each must divide evenly."""
+    for what, n in (
+        ("num_attention_heads", shape.num_heads),
+        ("num_key_value_heads", shape.num_query_groups),
+        ("intermediate_size", shape.ffn_hidden_size),
+        ("vocab_size", shape.vocab_size),
+    ):
+        if n % tp_size:
+            raise ValueError(f"{what}={n} is not divisible by tp_size={tp_size}")
+
+
+def transformer_config(
+    hf_config,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    cpu_init: bool = True,
+):
+    """Megatron ``TransformerConfig`` equal in function to the HF Qwen3 config.
+
+    Qwen3 layer: ``x + o(attn(rope(q_norm(q)), rope(k_norm(k)), v))`` with pre-RMSNorm, then
+    ``x + down(silu(gate(n(x))) * up(n(x)))``; Megatron: qk_layernorm, gated_linear_unit with silu,
+    RMSNorm, no biases, rotary non-interleaved (rotate-half) -- the same functions. Fusions that
+    need CUDA/Apex kernels are off (the local spec does not use them anyway)."""
+    core = import_megatron()  # noqa: F841  (MindSpeed first on the NPU)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    shape = gpt_shape(hf_config)
+    check_divisible(shape, tp_size)
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size,
+        context_parallel_size=cp_size,
+        pipeline_model_parallel_size=1,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=cpu_init,
+        perform_initialization=False,  # weights come from the HF checkpoint
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def layer_spec():
+    """Megatron's local GPT layer spec (qk RMSNorm) with :class:`PackedCoreAttention` as core attention."""
+    import_megatron()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from areal_npu.train.megatron.attention import PackedCoreAttention
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    return spec
+
+
+def build_gpt_model(hf_config, *, tp_size: int = 1, cp_size: int = 1, dtype=torch.float32, device=None):
+    """An uninitialised ``GPTModel`` for ``hf_config`` on ``device`` (load weights with
+    :func:`areal_npu.train.megatron.convert.load_hf_weights`). Needs :func:`init_parallel_state`."""
+    from areal_npu.platform import current_platform
+
+    platform = current_platform()
+    check_supported(hf_config, platform.device_type)
+    import_megatron()
+    from megatron.core.models.gpt import GPTModel
+
+    cfg = transformer_config(
+        hf_config, tp_size=tp_size, cp_size=cp_size, dtype=dtype, cpu_init=platform.device_type == "cpu"
+    )
+    shape = gpt_shape(hf_config)
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=shape.rope_theta,
+    )
+    return model.to(device=device or platform.current_device())
+
+
+def decoder_hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Tensor, packed_seq_params):
+    """Final-norm hidden states ``[t, H]`` of one packed row (``input_ids`` ``[t]``, this rank's
+    tokens): ``GPTModel.forward`` up to (not including) the output layer, so the engine computes
+    log-probs with its own chunked, vocab-parallel kernel instead of materialising ``[t, V]`` logits."""
+    out = model._preprocess(
+        input_ids=input_ids[None], position_ids=position_ids[None], packed_seq_params=packed_seq_params
+    )
+    decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = out[:5]
+    hidden = model.decoder(
+        hidden_states=decoder_input,
+        attention_mask=None,
+        rotary_pos_emb=rotary_pos_emb,
+        rotary_pos_cos=rotary_pos_cos,
+        rotary_pos_sin=rotary_pos_sin,
+        packed_seq_params=packed_seq_params,
+        sequence_len_offset=sequence_len_offset,
+    )
+    return hidden[:, 0]  # [t, 1, H] -> [t, H]

@@ -1,0 +1,89 @@
+"""Supervised warm start before RL: policy and MTP head trained on the task's reference answers.
+
+``areal-npu train`` runs it when ``warmstart.steps > 0`` (:func:`areal_npu.run.run_rl`): the base
+checkpoint is loaded into the train engine, trained with its ``sft`` loss (next-token loss of the
+policy plus the MTP loss), and written back as a Hugging Face checkpoint with ``mtp.*`` in the base
+checkpoint's layout (text or published), which the engines then start from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_npu import names
+from areal_npu.data.trajectory import sft_sample
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start of policy and MTP head on the task's reference answers."""
+
+    steps: int = 0
+    batch_size: int = 64
+    lr: float = 2e-3
+    log_every: int = 25
+
+    def validate(self) -> None:
+        if self.steps < 0:
+            raise ValueError("steps must be >= 0")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if not self.lr > 0:
+            raise ValueError("lr must be > 0")
+
+
+def warm_start_samples(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
+    return [
+        sft_sample(
+            tokenizer.encode(p, add_special_tokens=False), tokenizer.encode(a, add_special_tokens=False)
+        )
+        for p, a in pairs
+    ]
+
+
+def warm_start(
+    base_dir: Path, tasks, out_dir: Path, console, *, cfg: WarmStartConfig, train, mtp, ppo, seed: int
+) -> Path:
+    """SFT of policy and MTP head on the reference answers of ``tasks``; writes an HF checkpoint
+    with ``mtp.*`` in the base checkpoint's layout. ``train``, ``mtp``, ``ppo``: the run's train
+    engine, MTP and PPO configs (the optimizer is replaced by the warm start's)."""
+    from rich.progress import Progress
+    from transformers import AutoTokenizer
+
+    from areal_npu.agent.tasks import sft_pairs
+    from areal_npu.model.layout import load_for_training
+    from areal_npu.train.checkpoint import write_hf_checkpoint
+    from areal_npu.train.engine import FSDPEngine
+    from areal_npu.train.optim import OptimConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    lm, head, layout = load_for_training(base_dir, mtp)
+    optim = OptimConfig(
+        lr=cfg.lr,
+        warmup_steps=min(20, cfg.steps // 10),
+        schedule="cosine",
+        total_steps=cfg.steps + 1,
+        min_lr_ratio=0.1,
+    )
+    train_cfg = dataclasses.replace(train, optim=optim, ppo_minibatches=1)
+    engine = FSDPEngine(lm, head, train_cfg, mtp, ppo, pad_token_id=tokenizer.pad_token_id, layout=layout)
+    samples = warm_start_samples(tokenizer, sft_pairs(tasks))
+    rng = random.Random(seed)
+    with Progress(console=console, transient=False) as progress:
+        bar = progress.add_task("warm start (SFT policy + MTP)", total=cfg.steps)
+        for step in range(cfg.steps):
+            stats = engine.train_step(rng.sample(samples, min(cfg.batch_size, len(samples))), "sft")
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                keys = (names.SFT_NLL, names.mtp_loss_key(1), names.mtp_acc_key(1))
+                progress.console.print(
+                    f"warm start {step + 1}/{cfg.steps}: "
+                    + "  ".join(f"{k} {stats[k]:.3f}" for k in keys if k in stats)
+                )
+            progress.advance(bar)
+    # in the base checkpoint's layout: a published one stays loadable by vLLM's VL class
+    write_hf_checkpoint(engine, out_dir, tokenizer)
+    del engine
+    return out_dir

@@ -1,0 +1,70 @@
+"""A tiny Hugging Face Qwen3 (dense) and PPO samples for the Megatron engine tests.
+
+Qwen3 rather than the project's tiny Qwen3.5: Megatron-Core 0.16 has no Gated DeltaNet, and the
+Qwen3 layer (q/k RMSNorm, SwiGLU, RoPE) is what the engine maps. Norm weights are perturbed away
+from 1 so a mis-mapped norm changes the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TINY_QWEN3 = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_theta": 1_000_000.0, "rope_type": "default"},
+)
+
+
+def tiny_qwen3(seed: int = 3, **overrides):
+    """(HF config, float32 Qwen3ForCausalLM in eval mode)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{**TINY_QWEN3, **overrides})
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float().eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return config, model
+
+
+def make_samples(n: int = 5, seed: int = 0, vocab: int = 256) -> list[dict]:
+    """Token-aligned PPO samples as the engines take them (prompt, response, one masked env token)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        p, r = 3 + i, 4 + 2 * i
+        ids = torch.randint(0, vocab, (p + r,), generator=g)
+        mask = torch.zeros(p + r, dtype=torch.bool)
+        mask[p:] = True
+        mask[p + 1] = i % 2 == 0
+        samples.append(
+            {
+                "input_ids": ids,
+                "loss_mask": mask,
+                "behave_logp": torch.where(
+                    mask, -5.8 + 0.3 * torch.randn(p + r, generator=g), torch.zeros(p + r)
+                ),
+                "versions": torch.where(mask, torch.full((p + r,), 0), torch.full((p + r,), -1)),
+                "advantage": torch.tensor(float(torch.randn((), generator=g))),
+            }
+        )
+    return samples
+
+
+def reference_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Token-aligned log-probs of one unpacked sequence (float64 log-softmax of HF logits)."""
+    logits = model(input_ids=ids[None]).logits[0].double()
+    logp = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+    return torch.cat([logp.new_zeros(1), logp])

@@ -1,0 +1,68 @@
+"""Megatron engine checkpoints: a resumed run continues exactly; the weights are an HF checkpoint."""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.megatron
+
+from areal_npu.data.packing import PackingConfig  # noqa: E402
+from areal_npu.train.checkpoint import checkpoint_to_resume, latest_checkpoint  # noqa: E402
+from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.manifest import checkpoint_problems  # noqa: E402
+from areal_npu.train.optim import OptimConfig  # noqa: E402
+from tests.support.megatron_tiny import make_samples, tiny_qwen3  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    init_distributed()
+
+
+def _engine():
+    from areal_npu.train.megatron.config import MegatronEngineConfig
+    from areal_npu.train.megatron.engine import MegatronEngine
+
+    _, hf = tiny_qwen3()
+    cfg = MegatronEngineConfig(
+        packing=PackingConfig(max_tokens_per_mb=24),
+        optim=OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=1, total_steps=5),
+    )
+    return MegatronEngine.from_hf_model(hf, cfg)
+
+
+def _step(engine, seed):
+    samples = make_samples(seed=seed)
+    for s, lp in zip(samples, engine.compute_logprobs(samples)):
+        s["prox_logp"] = lp
+    return engine.train_step(samples, "ppo")
+
+
+def test_resume_continues_exactly_and_weights_load_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    a = _engine()
+    _step(a, 0)
+    saved = a.save_checkpoint(tmp_path / "ckpt", extra={"data_position": 5})
+    assert latest_checkpoint(tmp_path / "ckpt") == saved and not checkpoint_problems(saved)
+    assert checkpoint_to_resume(tmp_path / "ckpt", warn=pytest.fail) == saved
+    expected = _step(a, 1)
+    b = _engine()
+    assert b.load_checkpoint(saved) == {"data_position": 5} and b.version == 1
+    got = _step(b, 1)
+    assert got["ppo/loss"] == pytest.approx(expected["ppo/loss"], rel=1e-6)
+    assert got["train/lr"] == pytest.approx(expected["train/lr"], rel=1e-12)
+    wa, wb = dict(a.full_state_dict()), dict(b.full_state_dict())
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-6, atol=1e-7, msg=name)
+    hf = AutoModelForCausalLM.from_pretrained(saved)  # what vLLM / transformers load
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+
+
+def test_resume_with_another_tp_size_is_refused(tmp_path):
+    a = _engine()
+    saved = a.save_checkpoint(tmp_path / "ckpt")
+    index = torch.load(saved / "optim.pt", weights_only=False)
+    torch.save(dict(index, tp_size=2), saved / "optim.pt")
+    with pytest.raises(ValueError, match="tp_size=2.*tp_size=1"):
+        _engine().load_checkpoint(saved)

@@ -1,0 +1,160 @@
+"""Two gloo ranks (TP=2, CP=2, DP=2) equal one process: logits, log-probs, PPO loss, gradients
+(under HF names) and the weights after an optimizer step; the vocab-parallel log-prob kernel on a
+sharded head equals the unsharded reference, gradients included.
+
+What gloo cannot do, and so is not tested here: sequence parallelism (reduce-scatter; the engine
+refuses it), Megatron's own CP attention (Transformer Engine's ring attention, CUDA only) -- the
+engine's CP attention is the all-gather form in ``attention.py``, which is what runs here.
+"""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
+from areal_npu.data.packing import PackingConfig  # noqa: E402
+from areal_npu.platform import current_platform  # noqa: E402
+from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.optim import OptimConfig  # noqa: E402
+from tests.support.megatron_tiny import make_samples, tiny_qwen3  # noqa: E402
+
+CAP = 24
+ADAM_EPS = 1e-3
+
+
+def _engine(tp, cp):
+    from areal_npu.train.megatron.config import MegatronEngineConfig
+    from areal_npu.train.megatron.engine import MegatronEngine
+
+    _, hf = tiny_qwen3()
+    cfg = MegatronEngineConfig(
+        tp_size=tp,
+        cp_size=cp,
+        packing=PackingConfig(max_tokens_per_mb=CAP, tp_size=tp, cp_size=cp),
+        optim=OptimConfig(lr=1e-2, grad_clip=0.05, eps=ADAM_EPS),
+    )
+    return MegatronEngine.from_hf_model(hf, cfg)
+
+
+@torch.no_grad()
+def _full_logits(engine, seqs):
+    """Per-sequence logits from the model's own output layer: vocab shards gathered over TP, zigzag
+    shares gathered over CP."""
+    import torch.distributed as dist
+
+    from areal_npu.data.context_parallel import cp_gather
+    from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
+    from areal_npu.train.megatron.packing import to_megatron
+
+    cfg = engine.config
+    batch = pack_sequences(seqs, alignment=cfg.packing.alignment, cp_size=cfg.cp_size)
+    mb = to_megatron(batch, {}, cfg.cp_size, engine.cp_rank, engine.cp_group)
+    engine.module.eval()
+    local = engine.module(mb.input_ids[None], mb.position_ids[None], None, packed_seq_params=mb.params)[0]
+    if cfg.tp_size > 1:
+        parts = [torch.empty_like(local) for _ in range(cfg.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=engine.tp_group)
+        local = torch.cat(parts, dim=-1)
+    if cfg.cp_size > 1:
+        parts = [torch.empty_like(local) for _ in range(cfg.cp_size)]
+        dist.all_gather(parts, local.contiguous(), group=engine.cp_group)
+        local = cp_gather(parts, batch.cu_seqlens)
+    return unpack_per_token(local, batch)
+
+
+def _step(engine, samples):
+    """What both layouts must agree on: logits, log-probs, loss, HF-named grads, weights after a step."""
+    seqs = [s["input_ids"] for s in make_samples(3, seed=5)]
+    logits = _full_logits(engine, seqs)
+    prox = engine.compute_logprobs(samples)
+    for s, lp in zip(samples, prox):
+        s["prox_logp"] = lp
+    stats = engine.forward_backward(samples, "ppo")
+    grads = engine.hf_grads()
+    stats.update(engine.optimizer_step())
+    return {
+        "logits": logits,
+        "prox": prox,
+        "stats": stats,
+        "grads": grads,
+        "weights": dict(engine.full_state_dict()),
+    }
+
+
+def _vocab_parallel_check(rank, tp):
+    """Sharded head vs the full one: logp, entropy and the gradients of hidden and head."""
+    import torch.distributed as dist
+    from areal_npu.kernels.logprobs import naive_logprobs_entropy
+
+    from areal_npu.train.megatron.logprobs import vocab_parallel_logprobs_entropy
+
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(13, 8, generator=g, dtype=torch.float64)
+    weight = torch.randn(20, 8, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 20, (13,), generator=g)
+    targets[4] = -100
+    up_lp, up_h = (
+        torch.randn(13, generator=g, dtype=torch.float64),
+        torch.randn(13, generator=g, dtype=torch.float64),
+    )
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp_ref, ent_ref = naive_logprobs_entropy(h_ref, w_ref, targets, temperature=0.7)
+    ((lp_ref * up_lp).sum() + (ent_ref * up_h).sum()).backward()
+    h = hidden.clone().requires_grad_()
+    w = weight.chunk(tp)[rank].clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs_entropy(
+        h, w, targets, vocab_start=rank * 20 // tp, temperature=0.7, chunk_size=5, group=dist.group.WORLD
+    )
+    ((lp * up_lp).sum() + (ent * up_h).sum()).backward()
+    grad_h = h.grad.clone()
+    dist.all_reduce(grad_h)  # what copy_to_tensor_model_parallel_region's backward does
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(grad_h, h_ref.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(w.grad, w_ref.grad.chunk(tp)[rank], rtol=1e-10, atol=1e-10)
+
+
+def _worker(rank, tp, cp, path, init_file):
+    init_distributed(rank, 2, f"file://{init_file}")
+    if tp == 2:
+        _vocab_parallel_check(rank, tp)
+    dp = 2 // (tp * cp)
+    samples = make_samples(6)
+    out = _step(_engine(tp, cp), samples[rank::dp] if dp > 1 else samples)
+    if rank == 0:
+        torch.save(out, path)
+
+
+def _two_ranks_fit() -> bool:
+    plat = current_platform()
+    return plat.device_type == "cpu" or plat.device_count() >= 2
+
+
+@pytest.mark.skipif(not _two_ranks_fit(), reason="two ranks need two accelerators on this machine")
+@pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "cp2", "dp2"])
+def test_two_gloo_ranks_equal_one_process(tmp_path, tp, cp):
+    mp.start_processes(
+        _worker,
+        args=(tp, cp, str(tmp_path / "out.pt"), str(tmp_path / "rdv")),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    two = torch.load(tmp_path / "out.pt", weights_only=False)
+    init_distributed()
+    one = _step(_engine(1, 1), make_samples(6))
+    for got, want in zip(two["logits"], one["logits"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if cp * tp > 1:  # a DP rank sees half the batch; TP/CP ranks see all of it
+        for got, want in zip(two["prox"], one["prox"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert two["stats"]["ppo/loss"] == pytest.approx(one["stats"]["ppo/loss"], rel=1e-5)
+    assert two["stats"]["train/grad_norm"] == pytest.approx(one["stats"]["train/grad_norm"], rel=1e-5)
+    assert two["stats"]["train/n_tokens"] == one["stats"]["train/n_tokens"]
+    assert sorted(two["grads"]) == sorted(one["grads"])
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
