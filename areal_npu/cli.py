@@ -34,22 +34,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_dry_run_flags(args)
     from areal_npu.platform import described_device
 
-    # --device-kind: validate for the described machines (`device: auto` resolves to that kind)
-    with described_device(args.device_kind) if args.device_kind else contextlib.nullcontext():
+    # --device-kind: validate for the described machines (`device: auto` resolves to that kind);
+    # --dry-run: a model.path that is not on this machine is accepted (the plan is for other ones)
+    with contextlib.ExitStack() as scope:
+        if args.device_kind:
+            scope.enter_context(described_device(args.device_kind))
+        if args.dry_run:
+            from areal_npu.recipe import planning_only
+
+            scope.enter_context(planning_only())
         cfg = load_config(RLConfig, args.recipe, args.overrides)
     if args.check:
         print(to_yaml(cfg), end="")
         return 0
-    if args.dry_run:  # the placement plan; nothing is started, nothing written
-        from areal_npu import placement
+    if args.dry_run:  # the placement plan and its estimates; nothing is started, nothing written
+        from areal_npu import placement, step_estimate
 
         kind = args.device_kind or cfg.device
         cluster = placement.describe_cluster(kind, args.nodes, args.devices_per_node)
         plan = placement.plan_recipe(cfg, cluster)
+        estimates = step_estimate.dry_run_estimates(cfg, plan, args.model_config)
         if args.json:
-            print(json.dumps(plan.to_dict(), indent=2))
+            print(json.dumps(plan.to_dict() | {"estimates": estimates.to_dict()}, indent=2))
         else:
             placement.render(plan)
+            step_estimate.render(estimates)
         return 0
     from areal_npu.platform import use_device
     from areal_npu.run import run_rl
@@ -65,7 +74,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 #: ``train`` flags that describe the --dry-run plan; without --dry-run they would be ignored
-DRY_RUN_FLAGS = ("json", "nodes", "devices_per_node", "device_kind")
+DRY_RUN_FLAGS = ("json", "nodes", "devices_per_node", "device_kind", "model_config")
 
 
 def _check_dry_run_flags(args: argparse.Namespace) -> None:
@@ -132,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="validate, print the placement plan (process, node, devices, env, role) and exit without starting anything",
+        help="validate, print the placement plan (process, node, devices, env, role), the trainer's memory per "
+        "device and a step-time prediction, and exit without starting anything",
     )
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     p.add_argument("--nodes", type=_positive_int, help="with --dry-run: plan for this many nodes (default 1)")
@@ -145,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-kind",
         choices=("npu", "cuda", "cpu"),
         help="with --dry-run: the nodes' devices; default: the recipe's device",
+    )
+    p.add_argument(
+        "--model-config",
+        metavar="CONFIG_JSON",
+        help="with --dry-run: the model's config.json for the memory estimate (model.path's when omitted); "
+        "lets the plan run where the checkpoint is not",
     )
     p.set_defaults(func=cmd_train)
 

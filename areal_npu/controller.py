@@ -23,9 +23,12 @@ import torch
 from areal_npu import names
 from areal_npu.agent.tasks import format_prompt
 from areal_npu.algo.advantages import GRPOConfig, grpo_advantages
+from areal_npu.data.sample import TrainSample
 from areal_npu.data.trajectory import Trajectory, training_sample
 from areal_npu.rollout.config import SpecConfig
 from areal_npu.staleness import StalenessGate
+from areal_npu.train.losses import Loss
+from areal_npu.train.protocol import TrainEngine
 
 
 @dataclass
@@ -51,14 +54,16 @@ class ControllerConfig:
 
 
 class RLController:
-    """``cfg`` is the loop's own config; ``spec`` the engines' speculative decoding (its
+    """``cfg`` is the loop's own config; ``engine`` a :class:`areal_npu.train.protocol.TrainEngine`
+    (nothing beyond it is used) and ``loss`` the step's loss object
+    (:class:`areal_npu.train.losses.PPOLoss`); ``spec`` the engines' speculative decoding (its
     ``sync_draft`` already resolved by the recipe: whether weight pushes carry the drafter);
     ``seed`` orders the tasks; ``weight_bucket_bytes`` sizes the weight-push buckets."""
 
     def __init__(
         self,
         cfg: ControllerConfig,
-        engine,
+        engine: TrainEngine,
         tokenizer,
         client,
         tasks: list,
@@ -67,18 +72,26 @@ class RLController:
         *,
         spec: SpecConfig,
         grpo: GRPOConfig,
+        loss: Loss,
         seed: int,
         weight_bucket_bytes: int,
         start_step: int = 0,
         eval_tasks: list | None = None,
+        weight_sync=None,  # rollout.transports.WeightSync; default: RPC buckets, 2 retries
     ):
         self.cfg = cfg
         self.spec = spec
         self.grpo = grpo
+        self.loss = loss
         self.weight_bucket_bytes = weight_bucket_bytes
         self.engine = engine
         self.tokenizer = tokenizer
         self.client = client
+        if weight_sync is None:
+            from areal_npu.rollout.transports import RpcTransport, WeightSync
+
+            weight_sync = WeightSync(RpcTransport(client), client)
+        self.weight_sync = weight_sync
         self.tasks = tasks
         self.eval_tasks = (eval_tasks or [])[: cfg.eval_size]
         self.run_dir = run_dir
@@ -155,7 +168,7 @@ class RLController:
             self.version_event.set()
         return groups, {names.STALE_DROPPED_GROUPS: float(stale_dropped)}
 
-    def _samples(self, groups: list[list[Trajectory]], step: int) -> tuple[list[dict], dict]:
+    def _samples(self, groups: list[list[Trajectory]], step: int) -> tuple[list[TrainSample], dict]:
         flat = [t for g in groups for t in g]
         rewards = torch.tensor([t.reward for t in flat], dtype=torch.float32)
         sizes = {len(g) for g in groups}
@@ -184,14 +197,26 @@ class RLController:
         }
         return [training_sample(t, float(a)) for t, a in zip(flat, adv)], stats
 
-    async def push_weights(self) -> float:
+    async def push_weights(self, step: int | None = None) -> float:
+        """The trainer's weights to every engine through the weight transport (``self.weight_sync``:
+        failed engines restarted and re-synced, bounded retries). When that fails for good, the
+        trainer's weights of ``step`` are saved as its checkpoint and the run stops with the error."""
+        from areal_npu.rollout.transports import WeightSyncFailed
+
         start = time.perf_counter()
         named = [
             pair
             for _, bucket in self.engine.export_buckets(self.weight_bucket_bytes)
             for pair in bucket
         ]
-        await self.client.update_weights(named, self.engine.version, sync_draft=self.sync_draft)
+        try:
+            await self.weight_sync.push(named, self.engine.version, sync_draft=self.sync_draft)
+        except WeightSyncFailed as exc:
+            if step is None:
+                raise
+            checkpoints = self.run_dir / "checkpoints"
+            await asyncio.to_thread(self.engine.save_checkpoint, checkpoints, {"step": step}, self.tokenizer)
+            raise WeightSyncFailed(exc.version, exc.attempts, exc.retries, saved=f"step {step} under {checkpoints}") from exc
         self.last_named = named
         self.version = self.engine.version
         self.version_event.set()
@@ -245,7 +270,6 @@ class RLController:
 
     async def train(self, on_step=None, workflow=None) -> list[dict]:
         from areal_npu.spec.planner import live_perf_metrics
-        from areal_npu.train.checkpoint import save_checkpoint
 
         c = self.cfg
         history = []
@@ -265,11 +289,11 @@ class RLController:
             t1 = time.perf_counter()
             prox = await asyncio.to_thread(self.engine.compute_logprobs, samples)
             for s, lp in zip(samples, prox):
-                s["prox_logp"] = lp
+                s.prox_logp = lp
             t2 = time.perf_counter()
-            stats.update(await asyncio.to_thread(self.engine.train_step, samples, "ppo", step))
+            stats.update(await asyncio.to_thread(self.engine.train_step, samples, self.loss, step))
             t3 = time.perf_counter()
-            t_sync = await self.push_weights()
+            t_sync = await self.push_weights(step)
             stats.update(await self.client.step_metrics())
             spec_k = self.spec.num_speculative_tokens if self.spec.enabled else 0
             if self.spec_driver is not None:
@@ -292,7 +316,7 @@ class RLController:
             stats.update(eval_stats)
             if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step + 1 == c.steps):
                 await asyncio.to_thread(
-                    save_checkpoint, self.engine, self.run_dir / "checkpoints", {"step": step}, self.tokenizer
+                    self.engine.save_checkpoint, self.run_dir / "checkpoints", {"step": step}, self.tokenizer
                 )
             self.logger.log(step, stats)
             history.append(stats)

@@ -8,6 +8,7 @@ once, into the field their user reads (``rollout.device``, ``rollout.spec.sync_d
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from areal_npu.controller import ControllerConfig
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig
 from areal_npu.rollout.config import RolloutConfig
-from areal_npu.train.engine import TrainEngineConfig
+from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.warmstart import WarmStartConfig
 
 
@@ -30,17 +31,36 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def validate(self) -> None:
-        if self.path:
+        if self.path and not (_PLANNING and not Path(self.path).expanduser().exists()):
             check_hf_checkpoint(self.path)
 
     def is_hybrid(self) -> bool:
         """Whether the model has linear-attention (Gated DeltaNet) layers besides full attention."""
         if not self.path:
             return self.tiny.linear_attention_every > 0
+        if _PLANNING and not Path(self.path).expanduser().exists():
+            raise ConfigError("model.path", f"{self.path!r} is not on this machine; planning a CPU run needs "
+                              "its config (is the model a Gated DeltaNet hybrid?)")  # fmt: skip
         from transformers import AutoConfig
 
         text = AutoConfig.from_pretrained(self.path).get_text_config()
         return "linear_attention" in (getattr(text, "layer_types", None) or ())
+
+
+#: Non-empty inside :func:`planning_only`.
+_PLANNING: list[bool] = []
+
+
+@contextlib.contextmanager
+def planning_only():
+    """Within the block a ``model.path`` that does not exist on this machine is accepted:
+    ``train --dry-run`` plans for other machines, where the checkpoint is (it reads the model's
+    shape from ``--model-config`` instead). A real run always checks the checkpoint."""
+    _PLANNING.append(True)
+    try:
+        yield
+    finally:
+        _PLANNING.pop()
 
 
 #: Files one of which a tokenizer needs (fast, sentencepiece, BPE, WordPiece); without any of them
@@ -177,6 +197,10 @@ class RLConfig(ExperimentConfig):
         if self.controller.batch_groups > self.task.n_train:
             raise ConfigError("controller.batch_groups", "exceeds task.n_train")
         self._check_task_kind()
+        if not _PLANNING:  # a plan describes other machines; a run needs an engine that can train here
+            from areal_npu.train.factory import check_trainer
+
+            check_trainer(self)
 
     def _check_task_kind(self) -> None:
         """Repo tasks and the shell agent go together; an episode must fit the engine and a micro-batch."""
@@ -189,9 +213,9 @@ class RLConfig(ExperimentConfig):
         if not shell:
             return
         budget = self.workflow.shell.max_tokens
-        if self.warmstart.steps:
-            raise ConfigError("warmstart.steps", "must be 0 with task.kind repo: the warm start trains on "
-                              "program-task answers")  # fmt: skip
+        if self.warmstart.steps and self.task.jsonl:
+            raise ConfigError("warmstart.steps", "must be 0 with a task.jsonl task set: the repo-task warm start "
+                              "trains on demonstrations written from the embedded tasks' reference fixes")  # fmt: skip
         if budget > self.rollout.max_model_len:
             raise ConfigError("workflow.shell.max_tokens", f"({budget}) exceeds rollout.max_model_len "
                               f"({self.rollout.max_model_len}): an episode must fit the engine's context")  # fmt: skip

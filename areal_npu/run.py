@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 import time
 from pathlib import Path
@@ -27,6 +28,8 @@ async def _run_loop(
     from areal_npu.agent.workflows import load_workflow
     from areal_npu.controller import RLController
     from areal_npu.rollout.client import RolloutClient
+    from areal_npu.rollout.transports import make_weight_sync
+    from areal_npu.train.losses import PPOLoss
 
     controller_ref: dict = {}
 
@@ -34,16 +37,19 @@ async def _run_loop(
         # A restarted engine serves the checkpoint it was started from: bring it to the current weights.
         controller = controller_ref.get("c")
         if controller is not None and controller.last_named is not None:
-            await controller.client.update_weights(
-                controller.last_named, controller.version, sync_draft=controller.sync_draft
+            await controller.weight_sync.resync(
+                i, controller.last_named, controller.version, sync_draft=controller.sync_draft
             )
 
     client = RolloutClient.from_config(rollout_cfg, engines, on_restart=on_restart)
     try:
+        # the transport rollout.weight_transport resolves to (one node: the trainer at 127.0.0.1)
+        weight_sync = make_weight_sync(rollout_cfg, client)
         controller = RLController(
             cfg.controller, engine, tokenizer, client, tasks, run_dir, logger,
-            spec=cfg.rollout.spec, grpo=cfg.grpo, seed=cfg.seed,
+            spec=cfg.rollout.spec, grpo=cfg.grpo, loss=PPOLoss(cfg.ppo), seed=cfg.seed,
             weight_bucket_bytes=cfg.rollout.weight_bucket_bytes, start_step=start_step, eval_tasks=eval_tasks,
+            weight_sync=weight_sync,
         )  # fmt: skip
         controller_ref["c"] = controller
         if start_step > 0:
@@ -67,17 +73,17 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
 
     from areal_npu.agent.tasks import make_splits
     from areal_npu.metrics import StatsLogger
-    from areal_npu.model.layout import load_for_training
     from areal_npu.model.tiny import save_tiny_model
     from areal_npu.rollout.launcher import launch_engines
-    from areal_npu.train.checkpoint import checkpoint_to_resume, load_checkpoint
+    from areal_npu.train.checkpoint import checkpoint_to_resume
     from areal_npu.train.dist import init_distributed
-    from areal_npu.train.engine import FSDPEngine
+    from areal_npu.train.factory import build_engine, check_world_size
     from areal_npu.train.warmstart import warm_start
 
     console = Console()
     start_time = time.time()
     run_dir = Path(cfg.run_dir)
+    check_world_size(cfg.train, int(os.environ.get("WORLD_SIZE", 1)))  # the layout fits the trainer processes
     # verified before any work starts: a damaged checkpoint falls back or stops here (exit 2)
     checkpoint = checkpoint_to_resume(run_dir / "checkpoints", warn=_warn) if resume else None
     if not resume and (run_dir / "metrics.jsonl").exists():
@@ -103,15 +109,14 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
         if cfg.warmstart.steps:
             policy_dir = warm_start(
                 base, train_tasks, run_dir / "warmstart", console,
-                cfg=cfg.warmstart, train=cfg.train, mtp=cfg.mtp, ppo=cfg.ppo, seed=cfg.seed,
+                cfg=cfg.warmstart, train=cfg.train, mtp=cfg.mtp, seed=cfg.seed, workflow=cfg.workflow,
             )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    lm, mtp, layout = load_for_training(policy_dir, cfg.mtp)
-    engine = FSDPEngine(lm, mtp, cfg.train, cfg.mtp, cfg.ppo, pad_token_id=tokenizer.pad_token_id, layout=layout)
+    engine = build_engine(cfg.train, policy_dir, cfg.mtp, tokenizer.pad_token_id)
     start_step = 0
     logger = StatsLogger(run_dir, cfg.controller.steps)
     if checkpoint is not None:
-        extra = load_checkpoint(engine, checkpoint)
+        extra = engine.load_checkpoint(checkpoint)
         start_step = int(extra["step"]) + 1
         logger.truncate_after(int(extra["step"]))
         console.print(f"resumed from {checkpoint} at step {start_step} (weight version {engine.version})")

@@ -44,7 +44,8 @@ fi
 # vLLM 0.23.0, the version the Ascend images carry, in its own virtualenv (scripts/setup_vllm023.sh:
 # ~4.5 min and ~6.2 GB the first time, a stamp check afterwards): the rollout tests that say what
 # the engines do -- behaviour log-probs against transformers, lossless speculation, weight sync of
-# policy and drafter (with the stale-drafter regression), engine restart -- plus the feature map,
+# policy and drafter (with the stale-drafter regression; RPC and gloo broadcast, engines killed
+# mid-sync), the run's secret and body limits, engine restart -- plus the feature map,
 # the compat hooks and doctor. AREAL_SKIP_VLLM023=1 skips it for quick local runs; CI runs it.
 if [ "${AREAL_SKIP_VLLM023:-0}" = 1 ]; then
   echo "[test] vLLM 0.23: skipped (AREAL_SKIP_VLLM023=1)"
@@ -54,6 +55,7 @@ bash scripts/setup_vllm023.sh
 echo "[test] pytest rollout tests on vLLM 0.23"
 .venv-vllm023/bin/pytest -q -p no:cacheprovider -m "not megatron and not distributed" \
   tests/rollout/test_vllm_features.py tests/rollout/test_engine.py tests/rollout/test_server_routes.py \
-  tests/rollout/test_config.py tests/rollout/test_transports.py tests/compat/vllm/test_cpu_sampling.py \
+  tests/rollout/test_config.py tests/rollout/test_transports.py tests/rollout/test_weight_sync_engine.py \
+  tests/compat/vllm/test_cpu_sampling.py \
   tests/compat/vllm/test_cpu.py tests/compat/vllm/test_v023_cpu_sampling.py tests/compat/vllm/test_v023_gdn_state.py \
   tests/test_cli.py::test_doctor_json_carries_the_vllm_version_and_feature_flags

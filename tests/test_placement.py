@@ -87,22 +87,18 @@ def test_described_device_answers_for_auto_and_itself_without_probing():
 
 
 def test_trainer_layout_of_fsdp_and_megatron_configs():
-    from types import SimpleNamespace as NS
+    from areal_npu.train.config import TrainEngineConfig
+    from areal_npu.train.megatron.config import MegatronLayoutConfig
 
-    fsdp = NS(packing=NS(tp_size=1, cp_size=1))
-    assert TrainerLayout.of(fsdp) == TrainerLayout()
-    megatron = NS(tp_size=4, cp_size=2, pp_size=1, packing=NS(tp_size=4, cp_size=2))
+    assert TrainerLayout.of(TrainEngineConfig()) == TrainerLayout()
+    megatron = TrainEngineConfig(backend="megatron", megatron=MegatronLayoutConfig(tp_size=4, cp_size=2))
     layout = TrainerLayout.of(megatron)
     assert (layout.dp, layout.tp, layout.pp, layout.cp, layout.world_size) == (1, 4, 1, 2, 8)
-    with pytest.raises(ConfigError) as err:  # errors name the keys the config has
+    with pytest.raises(ConfigError) as err:  # errors name the recipe keys
         plan(layout, _engines(1), Cluster.uniform("npu", 1, 2))
-    assert err.value.key == "train.tp_size"
+    assert err.value.key == "train.megatron.tp_size"
     with pytest.raises(ConfigError) as err:
-        plan(
-            TrainerLayout.of(NS(dp_size=4, packing=NS(tp_size=1, cp_size=1))),
-            _engines(1),
-            Cluster.uniform("npu", 1, 3),
-        )
+        plan(TrainerLayout.of(TrainEngineConfig(dp_size=4)), _engines(1), Cluster.uniform("npu", 1, 3))
     assert err.value.key == "train.dp_size" and "3 available" in str(err.value)
 
 
@@ -133,7 +129,7 @@ def test_a2_node_trainer_first_then_engines():
     assert "RANK" not in engine and "CUDA_VISIBLE_DEVICES" not in engine
     assert result.weight_transport == {
         "name": "hccl",
-        "drafter": "rpc",  # vLLM-Ascend's engines load the target model only
+        "drafter": "hccl",  # the broadcast carries the drafter too
         "group": ["trainer/0", "engine/0", "engine/1"],
         "group_world_size": 5,
         "sender_addr": "127.0.0.1",
@@ -280,7 +276,7 @@ def test_cpu_engines_get_the_cores_the_launcher_gives_them_today(monkeypatch, en
             TrainerLayout(dp=2, tp=16),
             _engines(1),
             Cluster.uniform("npu", 4, 8),
-            "train.packing.tp_size",
+            "train.megatron.tp_size",
             ["16", "8"],
         ),
         (
@@ -409,8 +405,8 @@ def test_random_layouts_are_disjoint_complete_or_refused(kind, d, nodes, dp, ttp
         if exc.key == "rollout.num_engines":
             assert str(need) in str(exc) and f"{nodes * d} available" in str(exc)
         else:
-            assert exc.key in ("rollout.tensor_parallel_size", "train.dp_size", "train.pp_size", "train.packing.cp_size",
-                               "train.packing.tp_size")  # fmt: skip
+            assert exc.key in ("rollout.tensor_parallel_size", "train.dp_size", "train.megatron.pp_size",
+                               "train.megatron.cp_size", "train.megatron.tp_size")  # fmt: skip
         return
     assert fits
     _check_plan(result, trainer, engines, tp, cluster)

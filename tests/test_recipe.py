@@ -185,3 +185,81 @@ def test_sampling_from_another_distribution_than_the_behaviour_logprobs_is_refus
 
 def test_hybrid_model_on_the_cpu_needs_a_bfloat16_engine(capsys):
     assert_refused(capsys, ["rollout.dtype=float32"], "rollout.dtype", "bfloat16")  # the quickstart is hybrid
+
+
+# ---- train.backend: the Megatron engine, validated before any work ----
+
+#: What a Megatron recipe sets on top of the quickstart: the engine trains no MTP head yet, so
+#: rollouts run without the MTP drafter.
+MEGATRON = ["train.backend=megatron", "mtp.enabled=false", "rollout.spec.method=null",
+            "rollout.spec.num_speculative_tokens=0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    from tests.support.megatron_tiny import SERVABLE_QWEN3, save_tiny_qwen3_checkpoint
+
+    return save_tiny_qwen3_checkpoint(tmp_path_factory.mktemp("qwen3"), **SERVABLE_QWEN3)
+
+
+def test_megatron_on_the_tiny_qwen35_is_refused_with_the_engines_message(capsys):
+    assert_refused(capsys, MEGATRON, "train.backend", "Qwen3.5/3.6 (Gated DeltaNet) is not in Megatron-Core")
+
+
+def test_megatron_on_a_tiny_qwen3_dense_checkpoint_passes_and_derives_the_packing(capsys, qwen3_checkpoint):
+    from areal_npu.config import load_config
+    from areal_npu.placement import TrainerLayout
+    from areal_npu.recipe import RLConfig
+
+    code, err = check(capsys, *MEGATRON, f"model.path={qwen3_checkpoint}")
+    assert code == 0, err
+    cfg = load_config(RLConfig, QUICKSTART, [*MEGATRON, f"model.path={qwen3_checkpoint}", "train.megatron.tp_size=2",
+                                             "train.megatron.cp_size=2"])  # fmt: skip
+    assert (cfg.train.packing.tp_size, cfg.train.packing.cp_size, cfg.train.packing.alignment) == (2, 2, 8)
+    layout = TrainerLayout.of(cfg.train)
+    assert (layout.dp, layout.tp, layout.pp, layout.cp) == (1, 2, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [
+        (["train.megatron.tp_size=3", "train.packing.max_tokens_per_mb=4095"], "train.megatron.tp_size",
+         "num_attention_heads=4 is not divisible by tp_size=3"),
+        (["train.megatron.tp_size=4"], "train.megatron.tp_size", "num_key_value_heads=2 is not divisible by tp_size=4"),
+        (["train.megatron.pp_size=2"], "train.megatron.pp_size", "pipeline parallelism is not wired"),
+        (["train.megatron.sequence_parallel=true"], "train.megatron.sequence_parallel", "not wired"),
+        (["train.dtype=bfloat16"], "train.dtype", "float32 only"),
+        (["train.gradient_checkpointing=true"], "train.gradient_checkpointing", "not wired"),
+        (["train.dp_size=2"], "train.dp_size", "multi-rank (data-parallel) training has not landed"),
+        (["mtp.enabled=true"], "mtp.enabled", "does not train an MTP head"),
+        (["train.megatron.cp_size=2", "ppo.loss_agg=seq-mean"], "ppo.loss_agg", "needs whole sequences"),
+        (["train.megatron.cp_size=2", "ppo.behave_imp_weight_mode=mask", "ppo.behave_imp_weight_cap=2.0",
+          "ppo.behave_imp_weight_level=sequence"], "ppo.behave_imp_weight_level", "needs whole sequences"),
+        (["train.megatron.tp_size=2", "train.packing.tp_size=4"], "train.packing.tp_size",
+         "follows train.megatron.tp_size (2)"),
+    ],
+)  # fmt: skip
+def test_what_the_megatron_engine_cannot_do_is_refused(capsys, qwen3_checkpoint, overrides, key, fragment):
+    assert_refused(capsys, [*MEGATRON, f"model.path={qwen3_checkpoint}", *overrides], key, fragment)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [
+        (["train.megatron.tp_size=2"], "train.megatron.tp_size", "train.backend is fsdp2"),
+        (["train.backend=deepspeed"], "train.backend", "must be one of fsdp2, megatron"),
+        (["train.dp_size=4"], "train.dp_size", "must be 1 for now"),
+        (["ppo.kl_coef=0.1"], "ppo.kl_coef", "no reference-policy log-probs"),
+    ],
+)
+def test_backend_choices_are_checked_for_fsdp2_too(capsys, overrides, key, fragment):
+    assert_refused(capsys, overrides, key, fragment)
+
+
+def test_a_layout_of_more_ranks_than_trainer_processes_stops_before_any_work(capsys, qwen3_checkpoint, tmp_path):
+    run_dir = tmp_path / "run"
+    code = cli.main(["train", str(QUICKSTART), *MEGATRON, f"model.path={qwen3_checkpoint}",
+                     "train.megatron.tp_size=2", f"run_dir={run_dir}"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("config error: train.megatron.tp_size: "), err
+    assert "dp 1 x tp 2 x pp 1 x cp 1 = 2" in err[-1] and not run_dir.exists()

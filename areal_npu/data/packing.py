@@ -53,7 +53,8 @@ class PackingConfig:
     on_too_long: a sequence longer than the cap is an ``"error"`` (naming the sample and both
         lengths) or ``"truncate"``: the plan counts ``min(s, cap)`` tokens and the caller keeps the
         first ``cap`` tokens of that sequence (its loss mask cut alike).
-    tp_size, cp_size: alignment of the packed length: a multiple of ``tp`` or ``2 * tp * cp``.
+    tp_size, cp_size: alignment of the packed length: a multiple of ``tp`` or ``2 * tp * cp``; a
+        recipe derives them from ``train.megatron.tp_size`` / ``cp_size`` (1 with FSDP2).
     cost_linear_coef: ``c`` in ``cost(s) = s**2 + c * s`` used to balance work across ranks.
     """
 

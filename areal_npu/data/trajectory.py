@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from areal_npu.data.sample import TrainSample
+
 
 @dataclass
 class Trajectory:
@@ -49,49 +51,23 @@ class Trajectory:
         return min(trained) if trained else -1
 
 
-def training_sample(traj: Trajectory, advantage: float) -> dict[str, torch.Tensor]:
+def training_sample(traj: Trajectory, advantage: float) -> TrainSample:
     """Token-aligned tensors of one trajectory, ready for the train engine."""
     p = len(traj.prompt_ids)
     zeros_f = [0.0] * p
-    return {
-        "input_ids": torch.tensor(traj.prompt_ids + traj.response_ids, dtype=torch.long),
-        "loss_mask": torch.tensor([0] * p + traj.response_mask(), dtype=torch.bool),
-        "behave_logp": torch.tensor(zeros_f + list(traj.behave_logprobs), dtype=torch.float32),
-        "versions": torch.tensor([-1] * p + list(traj.versions), dtype=torch.long),
-        "advantage": torch.tensor(float(advantage), dtype=torch.float32),
-    }
+    return TrainSample(
+        input_ids=torch.tensor(traj.prompt_ids + traj.response_ids, dtype=torch.long),
+        loss_mask=torch.tensor([0] * p + traj.response_mask(), dtype=torch.bool),
+        behave_logp=torch.tensor(zeros_f + list(traj.behave_logprobs), dtype=torch.float32),
+        versions=torch.tensor([-1] * p + list(traj.versions), dtype=torch.long),
+        advantage=torch.tensor(float(advantage), dtype=torch.float32),
+    )
 
 
-def sft_sample(prompt_ids: list[int], answer_ids: list[int]) -> dict[str, torch.Tensor]:
+def sft_sample(prompt_ids: list[int], answer_ids: list[int]) -> TrainSample:
     """A supervised pair: loss on the answer tokens only."""
     ids = list(prompt_ids) + list(answer_ids)
-    return {
-        "input_ids": torch.tensor(ids, dtype=torch.long),
-        "loss_mask": torch.tensor([0] * len(prompt_ids) + [1] * len(answer_ids), dtype=torch.bool),
-    }
-
-
-def truncate_sample(sample: dict, max_tokens: int) -> dict:
-    """The first ``max_tokens`` tokens of a training sample (``packing.on_too_long="truncate"``).
-
-    Every per-token tensor (first dimension equal to ``len(input_ids)``) keeps its first
-    ``max_tokens`` rows, so ids, loss mask, behaviour/proximal log-probs and versions stay aligned;
-    per-sample values (the advantage) and per-token tensors already that short pass through. A
-    sample that fits is returned as it is.
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    n = int(sample["input_ids"].shape[0])
-    if n <= max_tokens:
-        return sample
-    out = {}
-    for key, value in sample.items():
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
-            out[key] = value[:max_tokens]
-        elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] != max_tokens:
-            raise ValueError(
-                f"{key} has {value.shape[0]} rows; a per-token field needs {n} (or {max_tokens} once truncated)"
-            )
-        else:
-            out[key] = value
-    return out
+    return TrainSample(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        loss_mask=torch.tensor([0] * len(prompt_ids) + [1] * len(answer_ids), dtype=torch.bool),
+    )

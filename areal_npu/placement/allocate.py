@@ -253,8 +253,6 @@ def _transport(
     """The weight transport as the rollout config resolves it for the planned kind, with its group:
     trainer rank 0 (it exports the weights; ``sender_addr`` is where engines reach it) and every
     engine worker."""
-    from areal_npu.rollout.transports import draft_by_rpc
-
     name = engine_cfg.resolved_transport()
     engines = [p for p in processes if p.role == "engine"]
     if name == "rpc":
@@ -269,7 +267,7 @@ def _transport(
             )
     return {
         "name": name,
-        "drafter": "rpc" if draft_by_rpc(name) else name,
+        "drafter": name,  # the broadcast carries the MTP drafter too (rollout/transports.py)
         "group": ["trainer/0"] + [p.name for p in engines],
         "group_world_size": 1 + sum(p.tp for p in engines),
         "sender_addr": sender_addr,

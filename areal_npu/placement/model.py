@@ -10,15 +10,13 @@ from typing import Any
 from areal_npu import platform as plat
 from areal_npu.config import ConfigError
 
-#: Recipe keys the trainer's layout comes from by default (errors name them): the FSDP2 engine's
-#: ``packing.tp_size`` / ``cp_size`` (validated to 1 there). :meth:`TrainerLayout.of` names the
-#: Megatron engine's ``tp_size`` / ``cp_size`` / ``pp_size`` instead where the train config has them;
-#: ``train.dp_size`` is the key multi-rank training adds.
+#: Recipe keys the trainer's layout comes from (errors name them): ``train.dp_size`` and the
+#: Megatron engine's ``train.megatron.*`` (the FSDP2 engine has dp only).
 TRAINER_KEYS = {
     "dp": "train.dp_size",
-    "tp": "train.packing.tp_size",
-    "pp": "train.pp_size",
-    "cp": "train.packing.cp_size",
+    "tp": "train.megatron.tp_size",
+    "pp": "train.megatron.pp_size",
+    "cp": "train.megatron.cp_size",
 }
 ENGINES_KEY = "rollout.num_engines"
 ENGINE_TP_KEY = "rollout.tensor_parallel_size"
@@ -39,28 +37,24 @@ class TrainerLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    #: dimension -> the recipe key it comes from (what errors name)
-    keys: tuple[tuple[str, str], ...] = field(default=tuple(TRAINER_KEYS.items()), compare=False, repr=False)
 
     @classmethod
     def of(cls, train) -> TrainerLayout:
-        """The layout a train-engine config asks for: the Megatron engine's ``tp_size`` /
-        ``cp_size`` / ``pp_size`` where the config has them, else the packing's tp / cp (FSDP2);
-        ``dp_size`` where the config has one, else 1 (one trainer process, as today)."""
-        sizes, keys = {}, dict(TRAINER_KEYS)
-        for dim in ("dp", "tp", "pp", "cp"):
-            if hasattr(train, f"{dim}_size"):
-                sizes[dim], keys[dim] = getattr(train, f"{dim}_size"), f"train.{dim}_size"
-            elif dim in ("tp", "cp"):
-                sizes[dim] = getattr(train.packing, f"{dim}_size")
-        return cls(**sizes, keys=tuple(keys.items()))
+        """The layout a ``train`` config (:class:`areal_npu.train.config.TrainEngineConfig`) asks
+        for: ``dp_size``, and with ``backend: megatron`` its ``megatron.tp_size`` / ``pp_size`` /
+        ``cp_size`` (the FSDP2 engine shards over dp alone)."""
+        sizes = {"dp": train.dp_size}
+        if train.backend == "megatron":
+            sizes |= {dim: getattr(train.megatron, f"{dim}_size") for dim in ("tp", "pp", "cp")}
+        return cls(**sizes)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
     def key(self, dim: str) -> str:
-        return dict(self.keys)[dim]
+        """The recipe key dimension ``dim`` comes from (what errors name)."""
+        return TRAINER_KEYS[dim]
 
     def validate(self) -> None:
         for dim in ("dp", "tp", "pp", "cp"):

@@ -6,7 +6,9 @@
 * ``request_body`` -- the fields each ``/areal`` route accepts (bad bodies answer 400 naming the field)
 * ``parent_watch`` -- the engine's process group dies with the trainer that launched it
 * ``client``    -- :class:`RolloutClient`: async, token ids in / ids + behaviour log-probs + versions out
-* ``buckets``, ``worker_ext``, ``transports`` -- versioned weight sync of the policy and the MTP drafter
+* ``buckets``, ``worker_ext``, ``transports``, ``collective`` -- versioned weight sync of the policy and
+  the MTP drafter: RPC buckets, or the hccl / nccl / gloo broadcast; restarts and bounded retries
+* ``guard``     -- the run's secret on every engine route, and request body limits
 
 Speculation (acceptance metrics, runtime draft length, adaptive policy) is :mod:`areal_npu.spec`;
 test oracles and the near-oracle MTP head are :mod:`areal_npu.testing`.

@@ -7,6 +7,9 @@ the request (up to ``max_retries``, possibly on another engine); a request that 
 back with ``failed=True`` and the error, never silently dropped and never hung (every call has a
 timeout). A restarted engine serves the checkpoint it was started from (version 0) until the
 trainer sends weights again; ``on_restart`` lets the trainer do that.
+
+Every request carries the run's secret (``guard.py``), taken from the ``EngineProcess`` objects the
+launcher made (or given as ``secret`` with plain URLs).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from areal_npu import names
+from areal_npu.rollout import guard
 from areal_npu.rollout.buckets import iter_buckets, pack_bucket, split_policy_and_draft
 from areal_npu.spec.acceptance import SpecCounters, SpecMetricsTracker
 
@@ -49,6 +53,19 @@ class GenerationResult:
 
 class EngineFailure(RuntimeError):
     pass
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update that did not commit on every engine it was sent to. ``failed``: engine index
+    -> why; the others (``committed``) serve ``version``. An engine that failed serves the version
+    it had, or -- when a broadcast had loaded part of the weights -- nothing until it gets them whole."""
+
+    def __init__(self, version: int, failed: dict[int, str], committed: list[int]):
+        self.version = version
+        self.failed = dict(failed)
+        self.committed = list(committed)
+        reasons = "; ".join(f"engine {i}: {why}" for i, why in sorted(self.failed.items()))
+        super().__init__(f"weight update to version {version} failed on {len(self.failed)} engine(s): {reasons}")
 
 
 class BusyClock:
@@ -89,11 +106,16 @@ class RolloutClient:
         restart_on_failure: bool = True,
         bucket_bytes: int = 256 << 20,
         on_restart: Callable[[int], Awaitable[None]] | None = None,
+        secret: str | None = None,
         http_transport=None,  # an httpx transport (tests)
     ):
         import httpx
 
         self.engines = list(engines)
+        held = {e.secret for e in self.engines if getattr(e, "secret", None)}
+        if len(held) > 1:
+            raise ValueError("engines of one client belong to one run: they hold different secrets")
+        self.secret = secret or (held.pop() if held else None)
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.restart_on_failure = restart_on_failure
@@ -108,6 +130,7 @@ class RolloutClient:
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            headers=guard.auth_headers(self.secret),
             transport=http_transport,
         )
 
@@ -242,17 +265,19 @@ class RolloutClient:
             raise EngineFailure(f"HTTP {response.status_code} {path}: {response.text[:500]}")
         return response.json()
 
-    async def _recover(self, i: int, seen_generation: int) -> None:
-        """Restart engine ``i`` if it is really down; concurrent callers share one restart."""
+    async def _recover(self, i: int, seen_generation: int, resync: bool = True) -> bool:
+        """Restart engine ``i`` if it is really down; concurrent callers share one restart. With
+        ``resync``, ``on_restart`` brings it to the trainer's weights (a weight sync that restarts an
+        engine sends them itself). Returns whether this call restarted it."""
         engine = self.engines[i]
         if isinstance(engine, str) or not self.restart_on_failure:
             await asyncio.sleep(0.5)
-            return
+            return False
         async with self.restart_locks[i]:
             if self.generation[i] != seen_generation:
-                return  # someone else restarted it meanwhile
+                return False  # someone else restarted it meanwhile
             if await asyncio.to_thread(engine.healthy):
-                return
+                return False
             await asyncio.to_thread(engine.restart)
             self.generation[i] += 1
             if self.spec_k is not None:
@@ -260,12 +285,18 @@ class RolloutClient:
                     await self._post_json(i, "/areal/spec_k", {"k": self.spec_k})
                 except EngineFailure as exc:
                     logger.warning("re-applying spec_k=%d on engine %d failed: %s", self.spec_k, i, exc)
-            if self.on_restart is not None:
+            if resync and self.on_restart is not None:
                 # inside the lock: retries wait until the trainer has re-sent its weights
                 try:
                     await self.on_restart(i)
                 except Exception as exc:  # noqa: BLE001 - a failed resync must not lose requests
                     logger.warning("on_restart(%d) failed: %s: %s", i, type(exc).__name__, exc)
+            return True
+
+    async def recover_engine(self, i: int) -> bool:
+        """Restart engine ``i`` when it is down (dead, or ``/health`` failing), without ``on_restart``:
+        for a weight sync, which re-sends the weights itself. Returns whether it was restarted."""
+        return await self._recover(i, self.generation[i], resync=False)
 
     # ---- control ----
 
@@ -312,37 +343,73 @@ class RolloutClient:
         *,
         sync_draft: bool = True,
         bucket_bytes: int | None = None,
+        engines: Iterable[int] | None = None,
     ) -> dict:
-        """Bucketed in-place update of every engine: policy tensors, then ``mtp.*`` drafter tensors.
+        """One versioned update of ``engines`` (default: all) by RPC buckets: policy tensors, then the
+        ``mtp.*`` drafter's, staged on each engine while it keeps generating; the commit (with the
+        tensor counts sent) applies them all at once, so tokens carry ``version`` exactly from the
+        weights that were sent whole. ``sync_draft=False`` leaves the drafter as it is (a frozen MTP
+        head; also how the tests show what a stale drafter costs).
 
-        Generation is paused (in-flight requests kept) from the first bucket to the commit; tokens
-        generated afterwards carry ``version``. ``sync_draft=False`` leaves the drafter as it is
-        (a frozen MTP head; also how the tests show what a stale drafter costs).
+        Engines fail independently: one that fails (connection lost, an error answer) is dropped from
+        the rest of the session and its session abandoned (nothing of it applied), while the others
+        commit. Raises :class:`WeightSyncError` naming the failed engines after the others committed.
         """
         policy, draft = split_policy_and_draft(named_tensors)
+        targets = [("policy", policy), ("draft", draft if sync_draft else [])]
+        expect = {target: len(tensors) for target, tensors in targets if tensors}
         max_bytes = bucket_bytes or self.bucket_bytes
+        order = list(range(len(self.engines))) if engines is None else sorted(set(engines))
+        live, failed = list(order), {}
         start = time.perf_counter()
-        self.busy.tick(self.in_flight, paused=True)
-        await self._all(lambda i: self._post_json(i, "/areal/update_weights/begin"))
+
+        async def on_live(path: str, body: Any = None, content: bytes | None = None) -> dict[int, Any]:
+            async def one(i):
+                return await self._post_json(i, path, body, content=content)
+
+            answers = await asyncio.gather(*(one(i) for i in live), return_exceptions=True)
+            out = {}
+            for i, answer in zip(list(live), answers, strict=True):
+                if isinstance(answer, BaseException):
+                    if not isinstance(answer, Exception):
+                        raise answer
+                    failed[i] = f"{path}: {answer}"
+                    live.remove(i)
+                else:
+                    out[i] = answer
+            return out
+
+        await on_live("/areal/update_weights/begin")
         buckets = 0
+        for target, tensors in targets:
+            for bucket in iter_buckets(tensors, max_bytes):
+                if not live:
+                    break
+                await on_live(f"/areal/update_weights/bucket?target={target}", content=pack_bucket(bucket))
+                buckets += 1
+        self.busy.tick(self.in_flight, paused=True)  # the commit pauses generation while it loads
         try:
-            for target, tensors in (("policy", policy), ("draft", draft if sync_draft else [])):
-                for bucket in iter_buckets(tensors, max_bytes):
-                    payload = pack_bucket(bucket)
-                    await self._all(
-                        lambda i, p=payload, t=target: self._post_json(
-                            i, f"/areal/update_weights/bucket?target={t}", content=p
-                        )
-                    )
-                    buckets += 1
+            results = await on_live("/areal/update_weights/commit", {"version": version, "expect": expect})
         finally:
-            results = await self._all(
-                lambda i: self._post_json(i, "/areal/update_weights/commit", {"version": version})
-            )
             self.busy.tick(self.in_flight, paused=False)
+        await self.abort_updates(failed)
+        if failed:
+            raise WeightSyncError(version, failed, sorted(results))
         return {
             "version": version,
             "buckets": buckets,
             "seconds": time.perf_counter() - start,
-            "loaded": [r["loaded"] for r in results],
+            "loaded": [results[i]["loaded"] for i in order],
+            "engines": order,
         }
+
+    async def abort_updates(self, engines: Iterable[int]) -> None:
+        """Abandon the open update session of ``engines`` (best effort: an engine that is down has none)."""
+
+        async def one(i):
+            try:
+                await self._post_json(i, "/areal/update_weights/abort")
+            except EngineFailure as exc:
+                logger.info("abandoning the update on engine %d: %s", i, exc)
+
+        await asyncio.gather(*(one(i) for i in engines))

@@ -9,8 +9,12 @@ message starts with the field name). Known limits enforced here, each with the r
 * Only ``raw_logprobs`` are trustworthy under speculation in vLLM 0.32 (``processed_logprobs``
   returns -ln V, 0 or NaN), so the behaviour log-prob mode is fixed.
 * What the installed vLLM lacks is refused by name and version (``vllm_features.require``):
-  ``spec.adaptive`` needs runtime ``k`` and ``weight_transport: nccl | cuda_ipc`` vLLM's trainer-side
-  engines, both from 0.32; vLLM 0.23 (the images') has neither.
+  ``spec.adaptive`` needs runtime ``k`` (from 0.32; vLLM 0.23, the images', has none).
+* ``weight_transport`` names what the training loop really uses (``transports.py``): ``rpc``, or the
+  collective broadcast over the device's backend -- ``hccl`` (NPU), ``nccl`` (CUDA), ``gloo`` (CPU;
+  ``auto`` stays ``rpc`` there). vLLM's IPC engines (``cuda_ipc``, ``npu_ipc``) are refused: nothing
+  drives them.
+* Engines listen on ``host``; a wildcard address (every interface) is refused.
 """
 
 from __future__ import annotations
@@ -40,7 +44,12 @@ MTP_ALIASES = (
 DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 SPEC_METHODS = (*MTP_ALIASES, *DRAFT_MODEL_METHODS, "ngram")
 PER_REQUEST_METRICS = ("none", "summary", "detailed")
-WEIGHT_TRANSPORTS = ("auto", "rpc", "hccl", "npu_ipc", "nccl", "cuda_ipc")
+WEIGHT_TRANSPORTS = ("auto", "rpc", "hccl", "nccl", "gloo")
+#: transports of vLLM's own weight-transfer engines, which the training loop does not drive
+UNWIRED_TRANSPORTS = ("npu_ipc", "cuda_ipc")
+#: every transport a device family has (a broadcast's backend is the device's collective)
+TRANSPORTS_ON = {"cpu": ("rpc", "gloo"), "npu": ("rpc", "hccl"), "cuda": ("rpc", "nccl")}
+WILDCARD_HOSTS = ("0.0.0.0", "::", "", "*")
 ASCEND_MAX_VERIFY_TOKENS = 16
 
 
@@ -151,6 +160,7 @@ class RolloutConfig:
 
     model: str = ""  # HF checkpoint directory
     num_engines: int = 1  # data-parallel rollout engines, one process each
+    # the address engines listen on (one node: 127.0.0.1; the plan names each node's); never a wildcard
     host: str = "127.0.0.1"
     base_port: int = 0  # 0: pick free ports
     # auto | npu | cuda | cpu (decides transports and the Ascend limits); in a recipe, auto takes
@@ -169,8 +179,11 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     max_retries: int = 2  # per request, after an engine failure
     restart_on_failure: bool = True
-    weight_transport: str = "auto"  # auto | rpc | hccl | npu_ipc | nccl | cuda_ipc
+    # auto (hccl on NPU, nccl on CUDA, rpc on CPU) | rpc (HTTP buckets) | hccl | nccl | gloo (broadcast)
+    weight_transport: str = "auto"
     weight_bucket_bytes: int = 256 << 20
+    # a step's weight sync is tried again this often (failed engines restarted and re-synced), then the run stops with a checkpoint
+    weight_sync_retries: int = 2
     log_dir: str = ""  # engine logs; "" = a temporary directory
     extra_engine_args: dict[str, Any] = field(default_factory=dict)  # --key value passed to vLLM
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -194,6 +207,12 @@ class RolloutConfig:
             raise ValueError(f"num_engines must be >= 1; got {self.num_engines}")
         if self.device not in ("auto", "npu", "cuda", "cpu"):
             raise ValueError(f"device must be one of auto, npu, cuda, cpu; got {self.device!r}")
+        if self.weight_transport in UNWIRED_TRANSPORTS:
+            raise ConfigError(
+                "weight_transport",
+                f"{self.weight_transport!r} (vLLM's IPC weight-transfer engine) is not wired to the training loop; "
+                "use auto (the device's collective broadcast: hccl / nccl) or rpc",
+            )
         if self.weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(
                 f"weight_transport {self.weight_transport!r} unknown; valid: {', '.join(WEIGHT_TRANSPORTS)}"
@@ -204,6 +223,14 @@ class RolloutConfig:
             raise ValueError("startup_timeout_s and request_timeout_s must be > 0")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if self.weight_sync_retries < 0:
+            raise ValueError(f"weight_sync_retries must be >= 0; got {self.weight_sync_retries}")
+        if self.host.strip() in WILDCARD_HOSTS:
+            raise ConfigError(
+                "host",
+                f"{self.host!r} listens on every interface; name the one the engines serve on "
+                "(127.0.0.1 on one node; across nodes the node's address, as the plan gives it)",
+            )
         self.spec.validate()
         if self.spec.enabled and self.top_k > 0:
             raise ConfigError(
@@ -221,16 +248,9 @@ class RolloutConfig:
                 "(fused attention verifies at most 16 tokens per decode step)",
             )
         transport = self.resolved_transport()
-        if transport in ("nccl", "cuda_ipc"):  # transports.py drives vLLM's trainer-side engine classes
-            vllm_features.require(
-                "trainer_weight_transfer", "weight_transport", f"{transport!r} (vLLM's trainer-side engine)"
-            )
-        if transport != "rpc":
-            vllm_features.require("weight_transfer_config", "weight_transport", f"{transport!r}")
-        allowed = {"cpu": ("rpc",), "npu": ("rpc", "hccl", "npu_ipc"), "cuda": ("rpc", "nccl", "cuda_ipc")}
-        if transport not in allowed[device]:
+        if transport not in TRANSPORTS_ON[device]:
             raise ValueError(
-                f"weight_transport {transport!r} does not exist on {device}; use one of {', '.join(allowed[device])}"
+                f"weight_transport {transport!r} does not exist on {device}; use one of {', '.join(TRANSPORTS_ON[device])}"
             )
 
     # ---- what the engine process is started with ----

@@ -5,6 +5,12 @@ so the server, vLLM's engine-core process and its workers form one process group
 a whole: on ``stop()``, at interpreter exit (``atexit``), and on SIGTERM / SIGINT (Ctrl-C) -- no
 orphans. Start-up waits for ``/health`` with a timeout; a failed or slow start raises
 :class:`EngineStartError` carrying the tail of the engine's log.
+
+Each run has one secret (``guard.make_secret``), which every engine of the run gets in its
+environment -- not on its command line, which any user can read in ``/proc`` -- and every request
+to it must carry (``guard.py``); it is kept on the :class:`EngineProcess` objects, in memory only.
+An engine listens on the address it is given (the plan's host for it; ``rollout.host``, 127.0.0.1
+by default), never on every interface.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 import weakref
 from pathlib import Path
 
+from areal_npu.rollout import guard
 from areal_npu.rollout.config import RolloutConfig
 
 LOG_TAIL_LINES = 40
@@ -35,7 +42,7 @@ class EngineStartError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
@@ -110,9 +117,22 @@ def _install_handlers() -> None:
 class EngineProcess:
     """One engine: ``start()`` (blocks until healthy), ``alive()``, ``restart()``, ``stop()``."""
 
-    def __init__(self, cfg: RolloutConfig, index: int = 0, port: int | None = None):
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        index: int = 0,
+        port: int | None = None,
+        *,
+        host: str | None = None,
+        secret: str | None = None,
+    ):
+        if host is not None and host != cfg.host:  # the plan's address for this engine
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, host=host)
         self.cfg = cfg
         self.index = index
+        self.secret = secret or guard.make_secret()  # the run's, when launch_engines starts it
         self.port = port or (cfg.base_port + index if cfg.base_port else 0)
         self.proc: subprocess.Popen | None = None
         self.pgid: int | None = None
@@ -124,7 +144,8 @@ class EngineProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
+        host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
+        return f"http://{host}:{self.port}"
 
     def command(self) -> list[str]:
         return [
@@ -144,6 +165,7 @@ class EngineProcess:
         env = dict(os.environ)
         env.update(self.cfg.engine_env())
         env.update(cpu_binding(self.cfg, self.index))
+        env[guard.SECRET_ENV] = self.secret
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         log.write(f"\n==== start {time.strftime('%H:%M:%S')} port {self.port} ====\n".encode())
         log.flush()
@@ -243,16 +265,22 @@ class EngineProcess:
         return {"index": self.index, "url": self.url, "pid": self.pgid, "log": str(self.log_path)}
 
 
-def launch_engines(cfg: RolloutConfig) -> list[EngineProcess]:
-    """Validate, then start ``cfg.num_engines`` engines concurrently; returns once all are healthy
-    (any failure stops them all and raises)."""
+def launch_engines(cfg: RolloutConfig, hosts: list[str] | None = None) -> list[EngineProcess]:
+    """Validate, then start ``cfg.num_engines`` engines concurrently, with one new secret for the
+    run; returns once all are healthy (any failure stops them all and raises). ``hosts``: the
+    address each engine listens on (the plan's), else ``cfg.host``."""
     cfg.validate()
     if not cfg.model:
         raise ValueError("model must name a checkpoint directory")
+    if hosts is not None and len(hosts) != cfg.num_engines:
+        raise ValueError(f"{len(hosts)} hosts for {cfg.num_engines} engines")
     from concurrent.futures import ThreadPoolExecutor
 
     _install_handlers()  # from the main thread, before the start-up threads
-    engines = [EngineProcess(cfg, index=i) for i in range(cfg.num_engines)]
+    secret = guard.make_secret()
+    engines = [
+        EngineProcess(cfg, index=i, host=hosts[i] if hosts else None, secret=secret) for i in range(cfg.num_engines)
+    ]
     try:
         # all at once: start-up is mostly imports and model loading, each in its own processes
         with ThreadPoolExecutor(max_workers=cfg.num_engines) as pool:

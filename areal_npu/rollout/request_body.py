@@ -135,10 +135,86 @@ GENERATE = {
 }
 PAUSE = {"mode": Field(STR, "keep", check=one_of("keep", "abort", "wait"))}
 NOTHING: dict[str, Field] = {}  # routes without parameters still refuse stray fields
-COMMIT = {"version": Field(INT, None, nullable=True, check=at_least(0))}
 TARGET = {"target": Field(STR, "policy", check=one_of(*TARGETS))}
-COLLECTIVE_INIT = {"init_info": Field(OBJECT)}
-COLLECTIVE_CHUNK = {"update_info": Field(OBJECT)}
+
+
+def _tensor_counts(v: Any) -> str | None:
+    """``expect``: target -> number of tensors the trainer sent."""
+    for key, n in v.items():
+        if key not in TARGETS:
+            return f"keys must be among {', '.join(TARGETS)}; got {key!r}"
+        if not _is_int(n) or n < 0:
+            return f"[{key!r}] must be a non-negative integer; got {json.dumps(n)[:40]}"
+    return None
+
+
+#: ``collective.GroupInfo``'s fields and their kinds
+GROUP_FIELDS = {
+    "backend": Field(STR, check=one_of("hccl", "nccl", "gloo")),
+    "host": Field(STR, check=non_empty),
+    "port": Field(INT, check=between(1, 65535)),
+    "prefix": Field(STR, check=non_empty),
+    "world_size": Field(INT, check=at_least(2)),
+    "rank_offset": Field(INT, check=at_least(1)),
+    "timeout_s": Field(NUMBER, check=between(0, 86400, low_open=True)),
+}
+
+
+def _group(v: Any) -> str | None:
+    try:
+        validate(v, GROUP_FIELDS)
+    except BodyError as exc:
+        return f"field {exc}"
+    return None
+
+
+def _layout(v: Any) -> str | None:
+    """A bucket's layout (``collective.bucket_layout``): ``nbytes`` and ``[name, dtype, shape, offset]``
+    entries that fit in it."""
+    if set(v) != {"nbytes", "tensors"}:
+        return "must have exactly the keys nbytes and tensors"
+    nbytes, tensors = v["nbytes"], v["tensors"]
+    if not _is_int(nbytes) or nbytes <= 0:
+        return "nbytes must be a positive integer"
+    if not isinstance(tensors, list) or not tensors:
+        return "tensors must be a non-empty list"
+    for entry in tensors:
+        ok = (
+            isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str) and isinstance(entry[1], str)
+            and isinstance(entry[2], list) and all(_is_int(d) and d >= 0 for d in entry[2])
+            and _is_int(entry[3]) and 0 <= entry[3] <= nbytes
+        )  # fmt: skip
+        if not ok:
+            return f"tensors entries must be [name, dtype, shape, offset] within nbytes; got {json.dumps(entry)[:80]}"
+    return None
+
+
+COMMIT = {
+    "version": Field(INT, None, nullable=True, check=at_least(0)),
+    "expect": Field(OBJECT, None, nullable=True, check=_tensor_counts),
+}
+COLLECTIVE_INIT = {"group": Field(OBJECT, check=_group)}
+COLLECTIVE_BUCKET = {"target": Field(STR, "policy", check=one_of(*TARGETS)), "layout": Field(OBJECT, check=_layout)}
+
+
+def safetensors_count(payload: bytes) -> int:
+    """Number of tensors in a safetensors ``payload`` (its header only), or a ``BodyError``: a
+    bucket is checked when it arrives, not when the staged update is applied."""
+    if not payload:
+        raise BodyError("body", "must hold one bucket of weights; got 0 bytes")
+    size = int.from_bytes(payload[:8], "little") if len(payload) >= 8 else -1
+    if size <= 0 or 8 + size > len(payload):
+        raise BodyError("body", "is not a safetensors bucket (bad header length)")
+    try:
+        header = json.loads(payload[8 : 8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise BodyError("body", "is not a safetensors bucket (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise BodyError("body", "is not a safetensors bucket (header is not an object)")
+    count = sum(1 for name in header if name != "__metadata__")
+    if count == 0:
+        raise BodyError("body", "holds no tensors")
+    return count
 
 
 def spec_k_fields(k_max: int) -> dict[str, Field]:

@@ -10,22 +10,32 @@ agent frameworks; this module adds, under ``/areal``:
   the engine counters under ``/areal/metrics`` carry acceptance on every version).
 * ``POST /areal/pause``, ``/areal/resume`` -- generation paused in ``keep`` mode: in-flight
   requests freeze and continue after resume (their later tokens carry the new version).
-* ``POST /areal/update_weights/{begin,bucket,commit}`` -- bucketed in-place update of the policy
-  and the MTP drafter through ``collective_rpc`` (see ``worker_ext.py``); generation is paused
-  from ``begin`` to ``commit``, and ``commit`` sets the new version.
-* ``POST /areal/update_weights/collective/{init,start,chunk,finish}`` -- vLLM's weight-transfer
-  engines (NCCL / CUDA IPC, and vLLM-Ascend's HCCL / NPU IPC) for device-to-device updates.
+* ``POST /areal/update_weights/{begin,bucket,commit,abort}`` -- one versioned update of the policy
+  and the MTP drafter. RPC buckets (safetensors bodies) are *staged* in this process while the engine
+  keeps generating with the weights it has; ``commit`` (with the tensor counts the trainer sent)
+  checks that every bucket arrived, then pauses, loads them all through ``collective_rpc`` (see
+  ``worker_ext.py``), sets the new version and resumes. A session that is abandoned (``abort``, a
+  new ``begin``, a missing bucket) leaves the engine exactly as it was.
+* ``POST /areal/update_weights/collective/{init,bucket}`` -- the broadcast transport
+  (``collective.py``: hccl / nccl / gloo): ``init`` joins the trainer's group, each ``bucket`` names a
+  bucket's layout and receives it from the trainer's broadcast straight into the model, so
+  generation is paused from the first such bucket to the commit. If such a session fails, the
+  engine holds partly loaded weights: it stays paused, refuses ``resume`` and new generations (503),
+  until a complete update commits or it is restarted -- never serving a version it got part of.
 * ``POST /areal/spec_k`` -- ``{"k": K}``: draft length from the next scheduler step on (engines
   started with ``spec.adaptive``; 0 = no drafts; see :mod:`areal_npu.spec.k_driver`).
 * ``GET /areal/metrics`` (cumulative acceptance counters as JSON), ``GET /areal/version`` (weight
   version, and the vLLM version and feature map: ``vllm_features.py``).
 
-Every body is checked against its route's fields (``request_body.py``) before the engine is
-touched: a missing, wrong-typed or unknown field answers 400 naming the field.
+Every route but ``GET /health`` needs the run's secret (``guard.py``: 401 without it, before the
+body is read) and takes a bounded body (413 past it). Every body is checked against its route's
+fields (``request_body.py``) before the engine is touched: a missing, wrong-typed or unknown field
+answers 400 naming the field.
 """
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -36,12 +46,25 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from areal_npu.rollout import request_body, vllm_features
+from areal_npu.rollout import guard, request_body, vllm_features
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.parent_watch import die_with_parent
 from areal_npu.spec import k_driver
 
-TRANSFER_BACKENDS = {"nccl": "nccl", "cuda_ipc": "ipc", "hccl": "hccl", "npu_ipc": "npu_ipc"}
+
+class UpdateSession:
+    """One weight update between ``begin`` and ``commit``: staged RPC buckets (bytes, per target)
+    and the tensors a broadcast already loaded into the model."""
+
+    def __init__(self):
+        self.staged: list[tuple[str, bytes]] = []
+        self.counts: dict[str, int] = {}  # target -> tensors received (staged or direct)
+        self.touched = False  # the model got some of it already (a broadcast, or the apply began)
+        self.broadcast = False  # some of it came by the collective broadcast
+        self.started = time.perf_counter()
+
+    def add(self, target: str, tensors: int) -> None:
+        self.counts[target] = self.counts.get(target, 0) + tensors
 
 
 class EngineState:
@@ -51,13 +74,16 @@ class EngineState:
         self.engine = engine
         self.cfg = cfg
         self.version = 0
-        self.updating = False
+        self.session: UpdateSession | None = None
+        # why the model holds partly loaded weights (None: it does not); paused while set
+        self.dirty: str | None = None
+        self.dirty_targets: set[str] = set()  # what a commit must carry to make the engine whole again
+        self.paused_for_update = False
         self.active_target: str | None = None
         self.loaded: dict[str, int] = {}
-        self.update_started = 0.0
+        self.committed = {"rpc": 0, "broadcast": 0}  # updates committed, by how they came
         self.lock = asyncio.Lock()
         self.started = time.time()
-        self.failed_update: str | None = None
         self.spec_k_file: str | None = os.environ.get(k_driver.ENV_FILE)
         self.spec_k = cfg.spec.adapt_config().k_init if cfg.spec.adaptive else cfg.spec.num_speculative_tokens
         # vLLM fills CompletionOutput.spec_decode_metrics only where it has the flag (vllm_features)
@@ -75,6 +101,28 @@ class EngineState:
         self.active_target = target
         if target is not None:
             await self.rpc("areal_begin_update", target)
+
+    async def pause_for_update(self) -> None:
+        if not self.paused_for_update:
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            self.paused_for_update = True
+
+    async def abandon(self, reason: str) -> None:
+        """Drop the open session. Staged buckets never touched the model: the engine goes on as it
+        was. Weights already loaded into the model (a broadcast, a failed apply) cannot be taken
+        back: the workers' reload is closed, and the engine stays paused and dirty."""
+        session, self.session = self.session, None
+        if session is None:
+            return
+        if session.touched or self.active_target is not None:
+            self.dirty = reason
+            self.dirty_targets |= set(session.counts) | ({self.active_target} - {None})
+            with contextlib.suppress(Exception):  # close the workers' reload; the weights stay dirty
+                await self.switch_target(None)
+            self.active_target = None
+        elif self.paused_for_update and self.dirty is None:
+            await self.engine.resume_generation()
+            self.paused_for_update = False
 
 
 def checked_top_k(body: dict[str, Any], cfg: RolloutConfig) -> int:
@@ -112,6 +160,8 @@ def make_router(state: EngineState):
     @router.post("/generate")
     async def generate(request: Request):
         body = await _body(request, request_body.GENERATE)
+        if state.dirty is not None:  # partly loaded weights: nothing is generated until a whole update
+            raise HTTPException(status_code=503, detail=_not_now(state))
         refused = _vllm_client_errors()
         try:
             params = _sampling_params(body, _checked(lambda: checked_top_k(body, state.cfg)))
@@ -156,6 +206,8 @@ def make_router(state: EngineState):
     @router.post("/resume")
     async def resume(request: Request):
         await _body(request, request_body.NOTHING)
+        if state.dirty is not None or state.paused_for_update:
+            raise HTTPException(status_code=409, detail=_not_now(state))
         await state.engine.resume_generation()
         return {"paused": False}
 
@@ -163,8 +215,9 @@ def make_router(state: EngineState):
     async def version():
         return {
             "version": state.version,
-            "updating": state.updating,
-            "failed_update": state.failed_update,
+            "updating": state.session is not None,
+            "dirty": state.dirty,
+            "committed": state.committed,
             "pid": os.getpid(),
             "spec": state.cfg.spec.vllm_dict(),
             "spec_k": state.spec_k,
@@ -194,88 +247,96 @@ def make_router(state: EngineState):
     async def begin(request: Request):
         await _body(request, request_body.NOTHING)
         async with state.lock:
-            if state.updating:
-                raise HTTPException(status_code=409, detail="a weight update is already in progress")
-            await state.engine.pause_generation(mode="keep", clear_cache=False)
-            state.updating = True
+            await state.abandon("a new update began before the previous one committed")
+            state.session = UpdateSession()
             state.loaded = {}
-            state.update_started = time.perf_counter()
-        return {"version": state.version}
+        return {"version": state.version, "dirty": state.dirty}
 
     @router.post("/update_weights/bucket")
     async def bucket(request: Request, target: str = "policy"):
         _checked(lambda: request_body.validate({"target": target}, request_body.TARGET))
         payload = await request.body()
-        if not payload:
-            raise HTTPException(status_code=400, detail="body must hold one bucket of weights; got 0 bytes")
+        tensors = _checked(lambda: request_body.safetensors_count(payload))
         async with state.lock:
-            if not state.updating:
-                raise HTTPException(status_code=409, detail="call /areal/update_weights/begin first")
-            if target == "draft" and not state.cfg.spec.sync_draft:
-                raise HTTPException(status_code=400, detail="spec.sync_draft is false: the drafter is frozen")
-            await state.switch_target(target)
-            counts = await state.rpc("areal_load_bucket", target, payload)
-        return {"loaded": int(counts[0])}
+            session = _open_session(state)
+            _check_target(state, target)
+            session.staged.append((target, payload))
+            session.add(target, tensors)
+        return {"staged": tensors}
 
     @router.post("/update_weights/commit")
     async def commit(request: Request):
         body = await _body(request, request_body.COMMIT)
         async with state.lock:
-            if not state.updating:
-                raise HTTPException(status_code=409, detail="no weight update in progress")
+            session = _open_session(state)
+            expect = body["expect"]
+            if expect is not None and session.counts != {t: n for t, n in expect.items() if n}:
+                got = session.counts
+                await state.abandon(f"incomplete update: got tensors {got}, the trainer sent {expect}")
+                raise HTTPException(
+                    status_code=409, detail=f"incomplete update: tensors received {got}, sent {expect}; nothing applied"
+                    + ("" if state.dirty is None else " (a broadcast had loaded some: the engine stays paused)"),
+                )
+            missing = state.dirty_targets - set(session.counts)
+            if missing:
+                raise HTTPException(
+                    status_code=409,
+                    detail=f"the engine's {', '.join(sorted(missing))} weights are partly loaded ({state.dirty}); "
+                    "a commit must carry them whole",
+                )
+            session.touched = True
             try:
+                await state.pause_for_update()
+                for target, payload in session.staged:
+                    await state.switch_target(target)
+                    await state.rpc("areal_load_bucket", target, payload)
                 await state.switch_target(None)
             except Exception as exc:
-                # weights are half-loaded: stay paused; the caller restarts this engine
-                state.updating = False
-                state.active_target = None
-                state.failed_update = f"{type(exc).__name__}: {exc}"
-                raise HTTPException(
-                    status_code=500, detail=f"weight update failed: {state.failed_update}"
-                ) from exc
+                # weights are half-loaded: stay paused; the caller re-sends everything or restarts us
+                await state.abandon(f"applying the update failed: {type(exc).__name__}: {exc}")
+                raise HTTPException(status_code=500, detail=f"weight update failed: {state.dirty}") from exc
+            state.session = None
+            state.committed["broadcast" if session.broadcast else "rpc"] += 1
+            state.dirty, state.dirty_targets = None, set()
             state.version = state.version + 1 if body["version"] is None else body["version"]
-            state.updating = False
             await state.engine.resume_generation()
-            seconds = time.perf_counter() - state.update_started
+            state.paused_for_update = False
+            seconds = time.perf_counter() - session.started
         return {"version": state.version, "loaded": state.loaded, "seconds": seconds}
+
+    @router.post("/update_weights/abort")
+    async def abort(request: Request):
+        await _body(request, request_body.NOTHING)
+        async with state.lock:
+            await state.abandon("the trainer abandoned the update")
+        return {"version": state.version, "dirty": state.dirty}
 
     @router.post("/update_weights/collective/init")
     async def collective_init(request: Request):
         body = await _body(request, request_body.COLLECTIVE_INIT)
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+        async with state.lock:
+            if state.session is not None and state.session.touched:
+                raise HTTPException(status_code=409, detail="a broadcast update is in progress")
+            ranks = await state.rpc("areal_collective_init", body["group"], state.cfg.host)
+        return {"ranks": [int(r) for r in ranks]}
 
-        await state.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=body["init_info"]))
-        return {"ok": True}
-
-    @router.post("/update_weights/collective/start")
-    async def collective_start(request: Request):
-        body = await _body(request, request_body.TARGET)
-        if body["target"] == "draft":
-            if not vllm_features.has("draft_weight_transfer"):
-                raise HTTPException(
-                    status_code=400,
-                    detail=f"vLLM {vllm_features.installed_version()}'s weight-transfer engines load the "
-                    "target model only; send the drafter's mtp.* tensors as rpc buckets "
-                    "(/areal/update_weights/bucket?target=draft)",
-                )
-            await state.engine.start_draft_weight_update()
-        else:
-            await state.engine.start_weight_update()
-        return {"ok": True}
-
-    @router.post("/update_weights/collective/chunk")
-    async def collective_chunk(request: Request):
-        body = await _body(request, request_body.COLLECTIVE_CHUNK)
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        await state.engine.update_weights(WeightTransferUpdateRequest(update_info=body["update_info"]))
-        return {"ok": True}
-
-    @router.post("/update_weights/collective/finish")
-    async def collective_finish(request: Request):
-        await _body(request, request_body.NOTHING)
-        await state.engine.finish_weight_update()
-        return {"ok": True}
+    @router.post("/update_weights/collective/bucket")
+    async def collective_bucket(request: Request):
+        body = await _body(request, request_body.COLLECTIVE_BUCKET)
+        target, layout = body["target"], body["layout"]
+        async with state.lock:
+            session = _open_session(state)
+            _check_target(state, target)
+            session.touched = session.broadcast = True
+            try:
+                await state.pause_for_update()
+                await state.switch_target(target)
+                counts = await state.rpc("areal_receive_bucket", target, layout)
+            except Exception as exc:
+                await state.abandon(f"a broadcast failed mid-update: {type(exc).__name__}: {exc}")
+                raise HTTPException(status_code=500, detail=f"broadcast failed: {state.dirty}") from exc
+            session.add(target, int(counts[0]))
+        return {"loaded": int(counts[0])}
 
     @router.post("/debug/param_sums")
     async def param_sums(target: str = "policy"):
@@ -283,6 +344,23 @@ def make_router(state: EngineState):
         return JSONResponse((await state.rpc("areal_param_sums", target))[0])
 
     return router
+
+
+def _open_session(state: EngineState) -> UpdateSession:
+    if state.session is None:
+        raise HTTPException(status_code=409, detail="no weight update in progress: call /areal/update_weights/begin")
+    return state.session
+
+
+def _check_target(state: EngineState, target: str) -> None:
+    if target == "draft" and not state.cfg.spec.sync_draft:
+        raise HTTPException(status_code=400, detail="spec.sync_draft is false: the drafter is frozen")
+
+
+def _not_now(state: EngineState) -> str:
+    if state.dirty is not None:
+        return f"the engine holds partly loaded weights ({state.dirty}); waiting for a complete update or a restart"
+    return "a weight update is loading into the model; generation resumes at its commit"
 
 
 def _vllm_client_errors() -> tuple[type[BaseException], ...]:
@@ -355,7 +433,7 @@ def _vllm_server_parts():
     )
 
 
-async def serve(cfg: RolloutConfig, port: int) -> None:
+async def serve(cfg: RolloutConfig, port: int, secret: str) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     if not vllm_features.has("pause_keep"):  # the update routes freeze in-flight requests
@@ -376,9 +454,6 @@ async def serve(cfg: RolloutConfig, port: int) -> None:
             from areal_npu.compat.vllm import spec_off
 
             os.environ[spec_off.SKIP_ENV] = "1"  # read in the worker (worker_ext)
-    transport = cfg.resolved_transport()
-    if transport in TRANSFER_BACKENDS:
-        argv += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKENDS[transport]})]
     args = vllm_api.make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     vllm_api.validate_parsed_serve_args(args)
     listen_address, sock = vllm_api.setup_server(args)
@@ -387,7 +462,9 @@ async def serve(cfg: RolloutConfig, port: int) -> None:
         app = vllm_api.build_app(args, supported, engine.model_config)
         await vllm_api.init_app_state(engine, app.state, args, supported)
         app.include_router(make_router(EngineState(engine, cfg)))
-        # ours first: vLLM's app has catch-all middleware but no /areal routes
+        # outermost: the secret and body limits before any of vLLM's middleware or routes
+        limits = guard.body_limits(cfg.weight_bucket_bytes, cfg.max_model_len, cfg.model)
+        guard.install(app, secret, limits)
         shutdown_task = await vllm_api.serve_http(
             app,
             sock=sock,
@@ -412,6 +489,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="RolloutConfig as a JSON file or JSON string")
     parser.add_argument("--port", type=int, required=True)
     ns = parser.parse_args(argv)
+    # taken out of the environment at once: vLLM's own processes, started below, do not inherit it
+    secret = os.environ.pop(guard.SECRET_ENV, "")
+    if not secret:
+        raise SystemExit(
+            f"{guard.SECRET_ENV} is not set: the launcher hands every engine its run's secret through the "
+            "environment, and an engine does not serve without one"
+        )
     text = open(ns.config).read() if os.path.isfile(ns.config) else ns.config
     cfg = RolloutConfig.from_dict(json.loads(text))
     for key, value in cfg.engine_env().items():
@@ -421,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     import uvloop
 
-    uvloop.run(serve(cfg, ns.port))
+    uvloop.run(serve(cfg, ns.port, secret))
 
 
 if __name__ == "__main__":

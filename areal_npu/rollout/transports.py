@@ -1,225 +1,335 @@
-"""How new weights reach the engines: one interface, a transport per device family.
+"""How new weights reach the engines: one interface, a transport per device family, and the sync
+that retries.
 
-* ``rpc`` (CPU, and anywhere as the fallback): size-bounded safetensors buckets over HTTP, loaded
-  in each worker through ``collective_rpc`` + vLLM's layer-wise reload (``RolloutClient.update_weights``).
-* ``nccl`` / ``cuda_ipc`` (CUDA): vLLM's weight-transfer engines
-  (``vllm.distributed.weight_transfer``: ``NCCLTrainerWeightTransferEngine``,
-  ``IPCTrainerWeightTransferEngine``), which also update the drafter (``start_draft_weight_update``).
-* ``hccl`` / ``npu_ipc`` (Ascend): vLLM-Ascend's engines of the same protocol. vLLM-Ascend v0.23
-  loads them into the target model only, so the MTP drafter's ``mtp.*`` tensors (one layer, small)
-  go through the ``rpc`` buckets in the same paused session -- as on any vLLM without
-  ``draft_weight_transfer`` (``vllm_features.py``; vLLM 0.23 itself).
+A transport's ``update(named_tensors, version, sync_draft=, engines=)`` sends one versioned update of
+the policy and (unless the MTP head is frozen) the drafter's ``mtp.*`` tensors, and returns once it
+committed on every engine asked, or raises ``WeightSyncError`` naming the engines it did not commit
+on (the others serve ``version``).
 
-Every transport runs one versioned session: pause (in-flight requests kept) -> policy -> drafter
-(unless the head is frozen) -> commit version + resume. Device packages are imported lazily, only
-when such a transport is built; the trainer-side engine class can be injected (tests use a
-recording fake).
+* ``rpc`` (CPU, and the fallback anywhere): size-bounded safetensors buckets over HTTP, staged by
+  each engine while it keeps generating and applied at the commit (``RolloutClient.update_weights``).
+* ``hccl`` (Ascend), ``nccl`` (CUDA), ``gloo`` (CPU): :class:`BroadcastTransport`, a broadcast from
+  the trainer to every engine worker in a process group of its own (``collective.py``), bucket by
+  bucket into the model, policy and drafter alike. The three differ only in the backend name, so
+  the CPU tests over gloo run the NPU and CUDA code path. Engines restarted since the group was
+  built are re-synced by RPC buckets (a subset of the engines is not the group); a full update
+  rebuilds the group first.
+* ``cuda_ipc`` / ``npu_ipc`` (vLLM's own weight-transfer engines) are refused at config time:
+  nothing drives them (``RolloutConfig.validate``).
+
+:class:`WeightSync` is what the trainer calls each step: the transport, then for the engines that
+failed a restart when they are down and another try (RPC or broadcast, as above), up to
+``rollout.weight_sync_retries`` more times; then :class:`WeightSyncFailed`, which stops the run (the
+controller saves a checkpoint first). Device packages are imported lazily, only when a broadcast
+group is built.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
+import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 
-from areal_npu.rollout.buckets import iter_buckets, pack_bucket, split_policy_and_draft
+from areal_npu.rollout import collective
+from areal_npu.rollout.buckets import iter_buckets, split_policy_and_draft
+from areal_npu.rollout.client import EngineFailure, WeightSyncError
 
-#: transport -> (module, trainer engine class, init-info class); vLLM-Ascend names per its docs.
-TRAINER_ENGINES = {
-    "nccl": (
-        "vllm.distributed.weight_transfer.nccl_engine",
-        "NCCLTrainerWeightTransferEngine",
-        "NCCLTrainerInitInfo",
-    ),
-    "cuda_ipc": (
-        "vllm.distributed.weight_transfer.ipc_engine",
-        "IPCTrainerWeightTransferEngine",
-        "IPCTrainerInitInfo",
-    ),
-    "hccl": (
-        "vllm_ascend.distributed.weight_transfer.hccl_engine",
-        "HCCLTrainerWeightTransferEngine",
-        "HCCLTrainerInitInfo",
-    ),
-    "npu_ipc": (
-        "vllm_ascend.distributed.weight_transfer.ipc_engine",
-        "NPUIPCTrainerWeightTransferEngine",
-        "NPUIPCTrainerInitInfo",
-    ),
-}
-#: transports whose engines cannot load the drafter (vLLM-Ascend v0.23): drafter goes by rpc buckets
-DRAFT_BY_RPC = ("hccl", "npu_ipc")
+#: transports the training loop drives
+WIRED = ("rpc", *collective.TRANSPORT_BACKEND)
 
 
-def draft_by_rpc(transport: str) -> bool:
-    """Whether the drafter's ``mtp.*`` tensors go as rpc buckets rather than through ``transport``:
-    vLLM-Ascend's engines, and any vLLM whose weight-transfer engines load the target model only
-    (0.23: ``vllm_features`` ``draft_weight_transfer``). Engines run the vLLM installed here
-    (without one, the trainer-side engine classes cannot be imported either: tests inject them)."""
-    from areal_npu.rollout import vllm_features
+class WeightSyncFailed(RuntimeError):
+    """A step's weights did not reach every engine within the retries: the run stops."""
 
-    if transport in DRAFT_BY_RPC:
-        return True
-    return vllm_features.installed_version() is not None and not vllm_features.has("draft_weight_transfer")
-
-
-def load_trainer_engine(transport: str) -> tuple[type, type]:
-    """(engine class, init-info class), imported only now; a clear error when the stack lacks them."""
-    module_name, engine_name, info_name = TRAINER_ENGINES[transport]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        need = "vLLM-Ascend (the NPU images)" if transport in DRAFT_BY_RPC else "vLLM with CUDA"
-        raise ImportError(
-            f"weight_transport {transport!r} needs {need}: cannot import {module_name} ({exc})"
-        ) from exc
-    return getattr(module, engine_name), getattr(module, info_name)
-
-
-class SwitchableSource:
-    """A re-iterable weight source whose tensors are swapped per round (policy, then drafter).
-
-    Implements vLLM's ``WeightSource`` surface: ``metadata()`` and iteration.
-    """
-
-    def __init__(self):
-        self.tensors: list[tuple[str, torch.Tensor]] = []
-
-    def set(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.tensors = list(tensors)
-
-    def metadata(self):
-        try:
-            from vllm.distributed.weight_transfer.base import ParamMeta
-        except ImportError:  # tests without vLLM
-            from types import SimpleNamespace as ParamMeta
-        return [ParamMeta(name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in self.tensors]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.tensors)
-
-
-class EngineSyncClient:
-    """vLLM's synchronous ``VLLMWeightSyncClient`` protocol against our engines' collective routes.
-
-    ``target`` picks what ``start_weight_update`` starts: the policy or the drafter.
-    """
-
-    def __init__(self, urls: list[str], post: Callable[[str, dict], Any] | None = None, timeout: float = 600):
-        self.urls = urls
-        self.target = "policy"
-        self._post = post or self._http_post
-        self.timeout = timeout
-
-    def _http_post(self, url: str, body: dict) -> Any:
-        import httpx
-
-        response = httpx.post(url, json=body, timeout=self.timeout)
-        response.raise_for_status()
-        return response.json()
-
-    def _all(self, path: str, body: dict) -> None:
-        for url in self.urls:
-            self._post(url + "/areal/update_weights/collective/" + path, body)
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._all("init", {"init_info": init_info})
-
-    def shutdown_weight_transfer_engine(self) -> None:  # pragma: no cover - nothing to release on our side
-        pass
-
-    def start_weight_update(self) -> None:
-        self._all("start", {"target": self.target})
-
-    def update_weights(self, update_info: dict) -> None:
-        self._all("chunk", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._all("finish", {})
-
-
-class CollectiveTransport:
-    """Device-to-device weight sync through a trainer-side weight-transfer engine (NCCL/HCCL/IPC)."""
-
-    def __init__(
-        self,
-        transport: str,
-        client,  # RolloutClient: pause/commit session and the rpc drafter path
-        init_info: dict,
-        *,
-        engine_cls: type | None = None,
-        init_info_cls: type | None = None,
-        sync_client: EngineSyncClient | None = None,
-    ):
-        if transport not in TRAINER_ENGINES:
-            raise ValueError(f"transport must be one of {', '.join(TRAINER_ENGINES)}; got {transport!r}")
-        self.transport = transport
-        self.client = client
-        if engine_cls is None:
-            engine_cls, init_info_cls = load_trainer_engine(transport)
-        self.source = SwitchableSource()
-        self.sync_client = sync_client or EngineSyncClient(
-            [client.url(i) for i in range(len(client.engines))]
+    def __init__(self, version: int, attempts: list[str], retries: int, saved: str | None = None):
+        self.version, self.attempts, self.retries = version, list(attempts), retries
+        tries = "; ".join(f"try {n + 1}: {why}" for n, why in enumerate(attempts))
+        stop = f" -- the run stops; the trainer's {saved} (--resume continues from it)" if saved else ""
+        super().__init__(
+            f"weight sync of version {version} failed {len(attempts)} times "
+            f"(rollout.weight_sync_retries={retries}): {tries}{stop}"
         )
-        info = init_info_cls(**init_info) if init_info_cls is not None else init_info
-        self.engine = engine_cls.trainer_init(info, client=self.sync_client, source=self.source)
+
+
+class WeightTransport(Protocol):
+    name: str
 
     async def update(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, sync_draft: bool = True
-    ) -> dict:
-        policy, draft = split_policy_and_draft(named_tensors)
-        start = time.perf_counter()
-        await self.client._all(lambda i: self.client._post_json(i, "/areal/update_weights/begin"))
-        rounds = []
-        try:
-            self.sync_client.target = "policy"
-            self.source.set(policy)
-            await asyncio.to_thread(self.engine.send_weights)
-            rounds.append(("policy", self.transport, len(policy)))
-            if sync_draft and draft:
-                if draft_by_rpc(self.transport):
-                    for bucket in iter_buckets(draft, self.client.bucket_bytes):
-                        payload = pack_bucket(bucket)
-                        await self.client._all(
-                            lambda i, p=payload: self.client._post_json(
-                                i, "/areal/update_weights/bucket?target=draft", content=p
-                            )
-                        )
-                    rounds.append(("draft", "rpc", len(draft)))
-                else:
-                    self.sync_client.target = "draft"
-                    self.source.set(draft)
-                    await asyncio.to_thread(self.engine.send_weights)
-                    rounds.append(("draft", self.transport, len(draft)))
-        finally:
-            self.sync_client.target = "policy"
-            await self.client._all(
-                lambda i: self.client._post_json(i, "/areal/update_weights/commit", {"version": version})
-            )
-        return {"version": version, "rounds": rounds, "seconds": time.perf_counter() - start}
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        sync_draft: bool = True,
+        engines: Iterable[int] | None = None,
+    ) -> dict: ...
+
+    async def close(self) -> None: ...
 
 
 class RpcTransport:
-    """Buckets over HTTP into ``collective_rpc`` (the CPU path)."""
+    """Buckets over HTTP, staged by each engine and applied at its commit."""
+
+    name = "rpc"
 
     def __init__(self, client):
         self.client = client
 
-    async def update(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, sync_draft: bool = True
-    ) -> dict:
-        return await self.client.update_weights(named_tensors, version, sync_draft=sync_draft)
+    async def update(self, named_tensors, version, *, sync_draft=True, engines=None) -> dict:
+        result = await self.client.update_weights(named_tensors, version, sync_draft=sync_draft, engines=engines)
+        return result | {"transport": self.name}
+
+    async def close(self) -> None:
+        pass
 
 
-def make_transport(cfg, client, init_info: dict | None = None, **kwargs):
-    """The transport ``cfg.weight_transport`` names (``auto``: hccl on NPU, nccl on CUDA, rpc on CPU)."""
+class BroadcastTransport:
+    """The trainer's end of the collective broadcast (``backend``: hccl, nccl or gloo).
+
+    ``sender_addr``: where the engines reach the trainer (the plan's ``weight_transport.sender_addr``;
+    127.0.0.1 on one node); the group's store listens there only. ``engine_tp``: workers per engine
+    (each is a member). ``device``: where the trainer stages a bucket for the broadcast (the
+    accelerator for hccl / nccl; the CPU for gloo).
+    """
+
+    def __init__(
+        self,
+        client,
+        backend: str,
+        sender_addr: str,
+        *,
+        engine_tp: int = 1,
+        timeout_s: float = 120.0,
+        device: torch.device | None = None,
+    ):
+        if backend not in collective.BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(collective.BACKENDS)}; got {backend!r}")
+        self.name = backend
+        self.client = client
+        self.backend = backend
+        self.sender_addr = sender_addr
+        self.engine_tp = engine_tp
+        self.timeout_s = timeout_s
+        self.device = device or self._default_device(backend)
+        self.fallback = RpcTransport(client)
+        self.group = None
+        self.generations: list[int] | None = None  # the engines' restart counts the group was built with
+        self.groups_built = 0
+
+    @staticmethod
+    def _default_device(backend: str) -> torch.device:
+        if backend == "gloo":
+            return torch.device("cpu")
+        from areal_npu.platform import current_platform
+
+        return current_platform().current_device()
+
+    async def close(self) -> None:
+        self.group = None
+
+    async def update(self, named_tensors, version, *, sync_draft=True, engines=None) -> dict:
+        everyone = list(range(len(self.client.engines)))
+        order = everyone if engines is None else sorted(set(engines))
+        if order != everyone:  # engines restarted mid-step: not the group; RPC is the fallback
+            result = await self.fallback.update(named_tensors, version, sync_draft=sync_draft, engines=order)
+            return result | {"transport": f"{self.name} (rpc fallback for engines {order})"}
+        start = time.perf_counter()
+        await self._ensure_group(version)
+        policy, draft = split_policy_and_draft(named_tensors)
+        targets = [("policy", policy), ("draft", draft if sync_draft else [])]
+        expect = {target: len(tensors) for target, tensors in targets if tensors}
+        await self._on_all(version, "/areal/update_weights/begin", {})
+        buckets = 0
+        for target, tensors in targets:
+            for bucket in iter_buckets(tensors, self.client.bucket_bytes):
+                await self._broadcast(version, target, bucket)
+                buckets += 1
+        answers = await self._gather("/areal/update_weights/commit", {"version": version, "expect": expect})
+        failed = {i: f"commit: {a}" for i, a in answers.items() if isinstance(a, BaseException)}
+        if failed:
+            raise WeightSyncError(version, failed, [i for i in everyone if i not in failed])
+        return {
+            "version": version,
+            "buckets": buckets,
+            "seconds": time.perf_counter() - start,
+            "loaded": [answers[i]["loaded"] for i in everyone],
+            "engines": everyone,
+            "transport": self.name,
+        }
+
+    async def _gather(self, path: str, body: dict) -> dict[int, Any]:
+        n = len(self.client.engines)
+        answers = await asyncio.gather(
+            *(self.client._post_json(i, path, body) for i in range(n)), return_exceptions=True
+        )
+        for a in answers:
+            if isinstance(a, BaseException) and not isinstance(a, Exception):
+                raise a
+        return dict(enumerate(answers))
+
+    async def _on_all(self, version: int, path: str, body: dict) -> None:
+        """``path`` on every engine; any failure fails the whole broadcast (every engine is a member)."""
+        answers = await self._gather(path, body)
+        failed = {i: f"{path}: {a}" for i, a in answers.items() if isinstance(a, BaseException)}
+        if failed:
+            await self._fail(version, failed)
+
+    async def _fail(self, version: int, failed: dict[int, str]):
+        """Drop the group (members blocked in it fail at once), abandon every engine's session, and
+        raise: a broadcast is all or nothing, so every engine is retried."""
+        self.group = None
+        await self.client.abort_updates(range(len(self.client.engines)))
+        culprits = ", ".join(str(i) for i in sorted(failed))
+        reasons = {i: failed.get(i, f"the broadcast was abandoned (engine {culprits} failed)")
+                   for i in range(len(self.client.engines))}  # fmt: skip
+        raise WeightSyncError(version, reasons, [])
+
+    async def _ensure_group(self, version: int) -> None:
+        if self.group is not None and self.generations == list(self.client.generation):
+            return
+        self.group = None  # engines restarted since: a new group, every engine joins it
+        n = len(self.client.engines)
+        listen = collective.listen_socket(self.sender_addr)
+        port = listen.getsockname()[1]
+        prefix = secrets.token_hex(16)  # the store has no authentication: its keys are unguessable
+        world = 1 + n * self.engine_tp
+
+        def info(offset: int) -> collective.GroupInfo:
+            return collective.GroupInfo(self.backend, self.sender_addr, port, prefix, world, offset, self.timeout_s)
+
+        generations = list(self.client.generation)
+        joins = asyncio.ensure_future(
+            asyncio.gather(
+                *(
+                    self.client._post_json(
+                        i, "/areal/update_weights/collective/init", {"group": info(1 + i * self.engine_tp).to_dict()}
+                    )
+                    for i in range(n)
+                ),
+                return_exceptions=True,
+            )
+        )
+        try:
+            group = await asyncio.to_thread(collective.join_group, info(1), 0, self.sender_addr, listen)
+        except Exception as exc:  # noqa: BLE001 - reported with the engines' answers
+            group, error = None, exc
+        answers = await joins
+        failed = {i: f"joining the broadcast group: {a}" for i, a in enumerate(answers) if isinstance(a, BaseException)}
+        if group is None and not failed:
+            failed = {i: f"the trainer could not build the group: {error}" for i in range(n)}
+        if failed:
+            await self._fail(version, failed)
+        self.group, self.generations = group, generations
+        self.groups_built += 1
+
+    async def _broadcast(self, version: int, target: str, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        layout = collective.bucket_layout(bucket)
+        flat = collective.flatten(bucket, self.device)
+        posts = asyncio.ensure_future(
+            self._gather("/areal/update_weights/collective/bucket", {"target": target, "layout": layout})
+        )
+        try:
+            await asyncio.to_thread(collective.broadcast, self.group, flat)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - a member died or timed out
+            error = exc
+            self.group = None  # releases the members still blocked in this broadcast
+        answers = await posts
+        failed = {i: f"bucket: {a}" for i, a in answers.items() if isinstance(a, BaseException)}
+        if error is not None and not failed:
+            failed = {i: f"broadcast: {error}" for i in answers}
+        if failed:
+            await self._fail(version, failed)
+
+
+class WeightSync:
+    """A step's weight sync through ``transport``, with restarts and bounded retries."""
+
+    def __init__(self, transport: WeightTransport, client, retries: int = 2):
+        self.transport = transport
+        self.client = client
+        self.retries = retries
+
+    async def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, *, sync_draft: bool = True) -> dict:
+        """``named_tensors`` (a list: every try sends it again) as ``version`` to every engine. After
+        a failed try, the failed engines that are down are restarted (the client's restart, without
+        its own re-sync), and the failed engines -- restarted or not -- get the whole update again.
+        Raises :class:`WeightSyncFailed` after ``1 + retries`` tries."""
+        pending: list[int] | None = None
+        failures: list[str] = []
+        restarted: list[int] = []
+        for _ in range(self.retries + 1):
+            try:
+                result = await self.transport.update(named_tensors, version, sync_draft=sync_draft, engines=pending)
+            except WeightSyncError as exc:
+                failures.append(str(exc))
+                pending = sorted(exc.failed)
+                for i in pending:
+                    try:
+                        if await self.client.recover_engine(i):
+                            restarted.append(i)
+                    except Exception as restart_error:  # noqa: BLE001 - counted as this try's failure
+                        failures[-1] += f"; restarting engine {i} failed: {restart_error}"
+                continue
+            return result | {"tries": len(failures) + 1, "failures": failures, "restarted": restarted}
+        raise WeightSyncFailed(version, failures, self.retries)
+
+    async def resync(self, engine: int, named_tensors, version: int, *, sync_draft: bool = True) -> dict:
+        """Bring one engine (restarted outside a sync) to ``version``."""
+        return await self.transport.update(named_tensors, version, sync_draft=sync_draft, engines=[engine])
+
+
+def make_transport(cfg, client, *, sender_addr: str | None = None) -> WeightTransport:
+    """The transport ``cfg.weight_transport`` resolves to (``auto``: hccl on NPU, nccl on CUDA, rpc on
+    the CPU). ``sender_addr``: the plan's address of the trainer for a broadcast; on one node, where
+    engines listen on loopback, 127.0.0.1."""
     transport = cfg.resolved_transport()
     if transport == "rpc":
         return RpcTransport(client)
-    if init_info is None:
-        raise ValueError(f"weight_transport {transport!r} needs init_info (rendezvous address, world size)")
-    return CollectiveTransport(transport, client, init_info, **kwargs)
+    if transport not in collective.TRANSPORT_BACKEND:
+        raise ValueError(f"weight_transport {transport!r} is not wired to the training loop (wired: {', '.join(WIRED)})")
+    if sender_addr is None:
+        if not _is_loopback(cfg.host):
+            raise ValueError(
+                f"weight_transport {transport!r} with engines on {cfg.host}: the trainer's address for the "
+                "broadcast comes from the plan (weight_transport.sender_addr)"
+            )
+        sender_addr = "127.0.0.1"
+    return BroadcastTransport(
+        client,
+        collective.TRANSPORT_BACKEND[transport],
+        sender_addr,
+        engine_tp=cfg.tensor_parallel_size,
+        timeout_s=min(cfg.request_timeout_s, 120.0),
+    )
+
+
+def make_weight_sync(cfg, client, *, sender_addr: str | None = None) -> WeightSync:
+    return WeightSync(make_transport(cfg, client, sender_addr=sender_addr), client, retries=cfg.weight_sync_retries)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+__all__ = [
+    "BroadcastTransport",
+    "EngineFailure",
+    "RpcTransport",
+    "WeightSync",
+    "WeightSyncError",
+    "WeightSyncFailed",
+    "WeightTransport",
+    "make_transport",
+    "make_weight_sync",
+]

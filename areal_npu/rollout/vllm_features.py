@@ -25,14 +25,12 @@ with the version named, or given a 0.23 path -- never accepted and ignored):
 * ``draft_model_accessor`` -- ``Worker.get_draft_model``: on 0.23 the worker extension reaches the
   drafter through the model runner's proposer (``drafter.model``) and reloads it with the same
   layer-wise helpers (0.23 has them: ``layerwise_reload``).
-* ``draft_weight_transfer`` -- ``start_draft_weight_update`` of vLLM's weight-transfer engines: on
-  0.23 they load into the target model only, so the drafter's ``mtp.*`` tensors go through the
-  ``rpc`` buckets in the same paused session (``transports.py``).
 * ``cpu_hybrid_speculation`` -- 0.23's CPU Gated DeltaNet kernel asserts "speculative decode not
   supported": speculation on a hybrid model is refused on the CPU with 0.23 (``recipe.py``).
-* ``trainer_weight_transfer`` -- the trainer-side engine classes ``transports.py`` drives
-  (``NCCLTrainerWeightTransferEngine``, ``IPCTrainerWeightTransferEngine``): ``weight_transport``
-  ``nccl`` / ``cuda_ipc`` are refused on 0.23 (its engines have another trainer API).
+
+The weight transports need nothing version-specific beyond ``layerwise_reload`` and
+``collective_rpc``: RPC buckets and the collective broadcast (``collective.py``) load through the
+worker extension on both versions; vLLM's own weight-transfer engines are not used.
 """
 
 from __future__ import annotations
@@ -138,23 +136,6 @@ FEATURES: dict[str, Feature] = {
         'pause_generation(mode="keep"): in-flight requests freeze across a weight update',
         _pause_keep,
     ),
-    "weight_transfer_config": Feature(
-        (0, 23, 0),
-        "--weight-transfer-config (vLLM's weight-transfer engines, engine side)",
-        lambda: _dataclass_field("vllm.engine.arg_utils", "EngineArgs", "weight_transfer_config"),
-    ),
-    "trainer_weight_transfer": Feature(
-        (0, 32, 0),
-        "trainer-side NCCL/IPC weight-transfer engine classes (weight_transport nccl, cuda_ipc)",
-        lambda: _has("vllm.distributed.weight_transfer.nccl_engine", "NCCLTrainerWeightTransferEngine")
-        and _has("vllm.distributed.weight_transfer.ipc_engine", "IPCTrainerWeightTransferEngine"),
-    ),
-    "draft_weight_transfer": Feature(
-        (0, 32, 0),
-        "weight-transfer engines that also load the MTP drafter (start_draft_weight_update)",
-        lambda: _has("vllm.v1.engine.async_llm", "AsyncLLM")
-        and hasattr(importlib.import_module("vllm.v1.engine.async_llm").AsyncLLM, "start_draft_weight_update"),
-    ),
     "qwen3_5_text_class": Feature(
         (0, 32, 0),
         "serves the text-only Qwen3_5ForCausalLM (0.23 serves Qwen3.5 only as Qwen3_5ForConditionalGeneration)",
@@ -187,8 +168,7 @@ ROLLOUT_OPTIONS: dict[str, tuple[str, ...]] = {
     "weight sync of policy and MTP drafter (rpc buckets)": ("layerwise_reload",),
     "spec.adaptive (runtime draft length k)": ("dynamic_spec_tokens",),
     "per-request acceptance summaries (samples' spec)": ("per_request_spec_metrics",),
-    "weight_transport nccl / cuda_ipc": ("weight_transfer_config", "trainer_weight_transfer"),
-    "weight_transport hccl / npu_ipc (vLLM-Ascend; drafter by rpc buckets)": ("weight_transfer_config",),
+    "weight_transport hccl / nccl / gloo (broadcast of policy and MTP drafter)": ("layerwise_reload",),
     "MTP speculation on a hybrid (Gated DeltaNet) model on the CPU": ("cpu_hybrid_speculation",),
 }
 

@@ -1,7 +1,8 @@
 """Runs inside every vLLM worker process (``--worker-extension-cls``): in-place weight reload.
 
 Reached through ``collective_rpc("areal_*", args=...)``. Tensors arrive as safetensors bytes
-(plain tensors would arrive as lists). Why not ``model.load_weights``: the CPU backend repacks
+(plain tensors would arrive as lists), or from the trainer's broadcast into a buffer of this
+worker's (``collective.py``: ``areal_collective_init``, ``areal_receive_bucket``). Why not ``model.load_weights``: the CPU backend repacks
 linear weights after loading, so updates go through vLLM's layer-wise reload, which runs that
 processing again (``initialize_layerwise_reload`` -> ``load_weights`` per bucket ->
 ``finalize_layerwise_reload``). The MTP drafter is a separate module in vLLM: loading the policy
@@ -86,6 +87,48 @@ class WeightSyncExtension:
         state = getattr(self, "_areal_loaded", None) or {"names": 0}
         self._areal_loaded = None
         return int(state["names"])
+
+    # ---- the broadcast transport (collective.py): a group of its own, buckets into the model ----
+
+    def areal_collective_init(self, group: dict, local_addr: str) -> int:
+        """Join the trainer's weight-broadcast group as rank ``rank_offset + self.rank`` (a group
+        this worker held before is dropped first); returns the rank."""
+        from areal_npu.rollout.collective import GroupInfo, join_group
+
+        self._areal_group = None
+        info = GroupInfo(**group)
+        rank = info.rank_offset + self.rank
+        self._areal_group = join_group(info, rank, local_addr)
+        self._areal_group_backend = info.backend
+        return rank
+
+    def areal_receive_bucket(self, target: str, layout: dict) -> int:
+        """One bucket from the trainer's broadcast, loaded into ``target`` in the open session. A
+        failed broadcast drops the group (the trainer builds a new one for the next try)."""
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        from areal_npu.rollout.collective import broadcast, unflatten
+
+        state = getattr(self, "_areal_loaded", None)
+        if state is None or state["target"] != target:
+            raise RuntimeError(f"areal_receive_bucket({target!r}) without areal_begin_update({target!r})")
+        group = getattr(self, "_areal_group", None)
+        if group is None:
+            raise RuntimeError("no weight-broadcast group: /areal/update_weights/collective/init first")
+        model, _ = self._areal_target(target)
+        device = torch.device("cpu") if self._areal_group_backend == "gloo" else next(model.parameters()).device
+        flat = torch.empty(layout["nbytes"], dtype=torch.uint8, device=device)
+        try:
+            broadcast(group, flat)
+        except Exception:
+            self._areal_group = None
+            raise
+        weights = unflatten(flat, layout)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            model.load_weights(iter(weights))
+        state["names"] += len(weights)
+        return len(weights)
 
     def areal_param_sums(self, target: str) -> dict[str, float]:
         """Sum of every parameter (for diagnostics and tests: did the update land?)."""

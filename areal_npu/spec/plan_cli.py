@@ -57,6 +57,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-gain", type=float, default=0.02, help="speculate only if the step gains this much")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: phases and speed-up against k")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--memory",
+        metavar="RECIPE",
+        help="instead of the step model: the trainer's peak memory per device for a recipe YAML "
+        "(areal_npu.memory_model at its layout and tokens per micro-batch, against the device's memory)",
+    )
+    p.add_argument(
+        "--model-config",
+        metavar="CONFIG_JSON",
+        help="with --memory: the model's config.json (model.path's when omitted)",
+    )
 
 
 @dataclass
@@ -331,8 +342,37 @@ def write_plot(plan: Plan, path: str) -> None:
     plt.close(fig)
 
 
+def _check_memory_flags(args: argparse.Namespace) -> None:
+    """``--memory`` reads a recipe, not step times: the step model's inputs are refused with it."""
+    if not args.memory:
+        if args.model_config:
+            raise ValueError("--model-config: describes the model for --memory; add --memory RECIPE")
+        return
+    defaults = {"max_k": 8, "min_gain": 0.02}
+    given = [name for name, value in vars(args).items()
+             if name not in ("memory", "model_config", "json", "func", "command")
+             and value not in (None, False, defaults.get(name))]  # fmt: skip
+    if given:
+        flag = "run_dir" if given[0] == "run_dir" else "--" + given[0].replace("_", "-")
+        raise ValueError(f"{flag}: the step model's input; --memory RECIPE estimates memory only")
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    from areal_npu import step_estimate
+
+    estimates = step_estimate.recipe_memory_report(args.memory, args.model_config)
+    if args.json:
+        print(json.dumps(estimates.to_dict(), indent=2))
+    else:
+        step_estimate.render(estimates)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_memory_flags(args)
+        if args.memory:
+            return _run_memory(args)
         plan = plan_from_run(args) if args.run_dir else plan_from_numbers(args)
     except ValueError as exc:
         print(f"areal-npu plan: {exc}", file=sys.stderr)

@@ -1,15 +1,15 @@
-"""Atomic, resumable checkpoints of a train engine.
+"""Atomic, resumable checkpoints of a train engine: the directory protocol both engines share.
 
 Layout of ``<root>/step_<N>/``: a Hugging Face checkpoint (``config.json``, ``model.safetensors``
-with the ``mtp.*`` weights, the tokenizer) that vLLM and transformers load as is, in the layout the
-trained model came from (:mod:`areal_npu.model.layout`), plus
-``optim.pt`` (full optimizer state), ``trainer_state.json`` (version, scheduler, the caller's
-state such as the data position), ``rng_rank<r>.pt`` and, written last, ``manifest.json`` (every
-file's size and SHA-256; see ``manifest.py``). Everything is written into a temporary directory
-that is renamed into place only when complete; ``<root>/latest`` is then replaced atomically. A
-crash at any point leaves the previous checkpoint intact and ``latest`` pointing at it; damage
-that happens later (lost page cache, a full disk) is caught by the manifest on resume
-(``checkpoint_to_resume``).
+with the ``mtp.*`` weights, the tokenizer) that vLLM and transformers load as is, plus the engine's
+optimizer state (``optim*.pt``: :mod:`areal_npu.train.fsdp2_checkpoint`,
+:mod:`areal_npu.train.megatron.checkpoint`), ``trainer_state.json`` (version, scheduler, the
+caller's state such as the data position), ``rng_rank<r>.pt`` and, written last,
+``manifest.json`` (every file's size and SHA-256; see ``manifest.py``). :func:`write_checkpoint`
+writes everything into a temporary directory that is renamed into place only when complete;
+``<root>/latest`` is then replaced atomically. A crash at any point leaves the previous checkpoint
+intact and ``latest`` pointing at it; damage that happens later (lost page cache, a full disk) is
+caught by the manifest on resume (``checkpoint_to_resume``).
 """
 
 from __future__ import annotations
@@ -25,12 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from areal_npu.config import ConfigError
 from areal_npu.train.manifest import MANIFEST, checkpoint_problems, write_manifest
@@ -101,43 +95,28 @@ def checkpoint_to_resume(root: str | Path, warn: Callable[[str], None]) -> Path:
     raise ConfigError("--resume", f"no intact checkpoint under {root}: " + "; ".join(broken))
 
 
-def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
-    """The engine's weights as a Hugging Face checkpoint (with ``mtp.*``) that vLLM loads as is, in
-    the layout the engine's model came from (``engine.layout``: a published checkpoint keeps its
-    outer config, ``model.language_model.*`` names and untouched vision tower). ``tensors``: the
-    full state under training names. Collective unless ``tensors`` is given; only rank 0 writes."""
-    tensors = dict(engine.full_state_dict()) if tensors is None else tensors
-    out = Path(out_dir)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        if engine.mtp is not None:
-            engine.lm.config.mtp_num_hidden_layers = engine.mtp.num_layers
-        engine.layout.save(out, tensors.items(), engine.lm.config, tokenizer)
-    return out
-
-
-def save_checkpoint(
-    engine, root: str | Path, extra: dict | None = None, tokenizer=None, keep_last: int = 2
+def write_checkpoint(
+    root: str | Path, version: int, write_files: Callable[[Path], None], trainer_state: dict, keep_last: int = 2
 ) -> Path:
-    """Write ``<root>/step_<version>`` atomically; collective (every rank calls it)."""
+    """Write ``<root>/step_<version>`` atomically; collective (every rank calls it).
+
+    ``write_files(tmp)`` runs on every rank (each writes its own files, rank 0 the shared ones);
+    then every rank's RNG state, rank 0's ``trainer_state.json`` (``trainer_state``: JSON, with
+    ``version``, ``scheduler`` and ``extra``), the manifest, the rename and ``latest``; only the
+    newest ``keep_last`` checkpoints remain (0: all)."""
     root = Path(root)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    name = f"step_{engine.version}"
+    name = f"step_{version}"
     tmp = root / f".{name}.tmp"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    tensors = dict(engine.full_state_dict())  # collective
-    optim = get_optimizer_state_dict(
-        engine.module, engine.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    write_files(tmp)
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    write_hf_checkpoint(engine, tmp, tokenizer, tensors)
     if rank == 0:
-        torch.save(optim, tmp / "optim.pt")
-        state = {"version": engine.version, "scheduler": engine.scheduler.state_dict(), "extra": extra or {}}
-        _write_atomic(tmp / "trainer_state.json", json.dumps(state, indent=2, default=str))
+        _write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=2, default=str))
     _barrier()  # every rank's files are in place: the manifest describes them all
     final = root / name
     if rank == 0:
@@ -152,32 +131,12 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(engine, path: str | Path) -> dict:
-    """Restore weights, optimizer, scheduler, version and RNG from ``path``; returns the caller's
-    ``extra`` state. Collective."""
-    from safetensors.torch import load_file
-
+def read_trainer_state(path: str | Path) -> dict:
+    """``trainer_state.json`` of a checkpoint (``version``, ``scheduler``, ``extra``), and this
+    rank's RNG state restored from it when the checkpoint has one."""
     path = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    tensors = load_file(str(path / "model.safetensors"))
-    module_state = {}
-    for name in engine.module.state_dict():
-        source = engine.layout.checkpoint_name(name[len("lm.") :] if name.startswith("lm.") else name)
-        if source in tensors:
-            module_state[name] = tensors[source]
-    missing = [n for n in engine.module.state_dict() if n not in module_state and "rotary_emb" not in n]
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(engine.module, module_state, options=options)
-    optim = torch.load(path / "optim.pt", weights_only=False)
-    set_optimizer_state_dict(
-        engine.module, engine.optimizer, optim, options=StateDictOptions(full_state_dict=True)
-    )
-    state = json.loads((path / "trainer_state.json").read_text())
-    engine.scheduler.load_state_dict(state["scheduler"])
-    engine.version = int(state["version"])
     rng = path / f"rng_rank{rank}.pt"
     if rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
-    return state["extra"]
+    return json.loads((path / "trainer_state.json").read_text())

@@ -38,21 +38,37 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, ini
     return rank, world_size
 
 
-def _all_reduce(values: list[float], op) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def reduce_floats(values: list[float], op=dist.ReduceOp.SUM, group=None) -> list[float]:
+    """``values`` all-reduced with ``op`` over ``group`` (the default group when ``None``), in
+    float64; returned as they are without a group or with one rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(values)
     import torch
 
     t = torch.tensor(values, dtype=torch.float64, device=current_platform().current_device())
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return t.tolist()
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few floats over the default group (identity without one)."""
-    return _all_reduce(values, dist.ReduceOp.SUM)
+def all_reduce_sum(values: list[float], group=None) -> list[float]:
+    """Sum a few floats over ``group`` (identity without one)."""
+    return reduce_floats(values, dist.ReduceOp.SUM, group)
 
 
-def all_reduce_max(values: list[float]) -> list[float]:
-    """Element-wise max of a few floats over the default group (identity without one)."""
-    return _all_reduce(values, dist.ReduceOp.MAX)
+def all_reduce_max(values: list[float], group=None) -> list[float]:
+    """Element-wise max of a few floats over ``group`` (identity without one)."""
+    return reduce_floats(values, dist.ReduceOp.MAX, group)
+
+
+def all_reduce_flat(tensors: list, group=None) -> None:
+    """Sum ``tensors`` in place over ``group`` with one collective."""
+    if not tensors:
+        return
+    import torch
+
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

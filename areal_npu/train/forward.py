@@ -1,17 +1,27 @@
-"""What one packed micro-batch computes, and how per-micro-batch stats become step stats.
+"""What one packed micro-batch holds and computes.
 
-:class:`PolicyWithMTP` is the single FSDP root of the train engine: the causal LM and its MTP head
-together, so the shared embedding and output head are unsharded whenever the forward touches them.
+:func:`prediction_fields` (both engines): a micro-batch's samples shifted to prediction alignment and
+packed. :class:`MicroBatch` and :class:`PolicyWithMTP` (the FSDP2 engine): the batch on the device,
+and the single FSDP root holding the causal LM and its MTP head together, so the shared embedding
+and output head are unsharded whenever the forward touches them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from areal_npu.data.packed_layout import PackedBatch, pack_per_token
+from areal_npu.data.sample import TrainSample
 from areal_npu.kernels.logprobs import chunked_logprobs_entropy
 from areal_npu.model.mtp_loss import mtp_loss
-from areal_npu.train.dist import all_reduce_max, all_reduce_sum
+from areal_npu.train.losses import Loss
+
+#: the target of positions that predict nothing (a segment's last token, padding)
+IGNORE = -100
 
 
 class PolicyWithMTP(nn.Module):
@@ -23,22 +33,20 @@ class PolicyWithMTP(nn.Module):
         self.lm = lm
         self.mtp = mtp
 
-    def forward(self, batch: dict, chunk_size: int, temperature: float, mtp_args: dict | None):
-        cu = batch["cu_seqlens"]
+    def forward(self, batch: MicroBatch, chunk_size: int, temperature: float, mtp_args: dict | None):
+        cu = batch.cu_seqlens
         kwargs = dict(
             cu_seq_lens_q=cu,
             cu_seq_lens_k=cu,
-            max_length_q=batch["max_seqlen"],
-            max_length_k=batch["max_seqlen"],
+            max_length_q=batch.max_seqlen,
+            max_length_k=batch.max_seqlen,
             use_cache=False,
         )
-        out = self.lm.model(
-            input_ids=batch["input_ids"][None], position_ids=batch["position_ids"][None], **kwargs
-        )
+        out = self.lm.model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], **kwargs)
         hidden = out.last_hidden_state[0]
         head = self.lm.get_output_embeddings().weight
         logp, entropy = chunked_logprobs_entropy(
-            hidden, head, batch["targets"], temperature=temperature, chunk_size=chunk_size
+            hidden, head, batch.fields["targets"], temperature=temperature, chunk_size=chunk_size
         )
         # Outputs must not be views: FSDP2 hooks its pre-backward on them (see its UserWarning).
         logp, entropy = logp.clone(), entropy.clone()
@@ -48,10 +56,10 @@ class PolicyWithMTP(nn.Module):
         mtp_hidden = self.mtp(
             hidden,
             targets.embed_ids,
-            batch["position_ids"],
+            batch.position_ids,
             self.lm.get_input_embeddings().weight,
             cu_seqlens=cu,
-            max_seqlen=batch["max_seqlen"],
+            max_seqlen=batch.max_seqlen,
         )
         loss, stats = mtp_loss(
             mtp_hidden, head, targets, mtp_args["loss_scale"], mtp_args["counts"], chunk_size=chunk_size
@@ -64,26 +72,44 @@ def shift_left(x: torch.Tensor, fill) -> torch.Tensor:
     return torch.cat([x[1:], x.new_full((1,), fill)])
 
 
-def _additive(key: str) -> bool:
-    """Stats that are already fractions of a global normaliser: they add up over micro-batches."""
-    return key.startswith("mtp/") or key in ("ppo/loss", "ppo/n_valid_tokens")
-
-
-def merge_stats(per_mb: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Across micro-batches and ranks: sums for additive keys, min / max for ``/min`` / ``/max``
-    keys, token-weighted means for the rest."""
-    keys = sorted({k for _, s in per_mb for k in s})
-    out = {}
-    for key in keys:
-        vals = [(w, s[key]) for w, s in per_mb if key in s]
-        if _additive(key):
-            out[key] = all_reduce_sum([sum(v for _, v in vals)])[0]
-        elif key.endswith("/min"):
-            local = min(v for _, v in vals)
-            out[key] = -all_reduce_max([-local])[0]
-        elif key.endswith("/max"):
-            out[key] = all_reduce_max([max(v for _, v in vals)])[0]
-        else:
-            num, den = all_reduce_sum([sum(w * v for w, v in vals), sum(w for w, _ in vals)])
-            out[key] = num / den if den else 0.0
+def prediction_fields(seqs: Sequence[TrainSample], packed: PackedBatch, loss: Loss | None) -> dict[str, torch.Tensor]:
+    """The packed, prediction-aligned per-token tensors of one micro-batch (host side):
+    ``targets`` (the next token, :data:`IGNORE` at each segment's end and on padding), and with a
+    ``loss`` its ``loss_mask`` and :meth:`areal_npu.train.losses.Loss.token_fields`. Each sequence is
+    shifted before packing, so no target crosses a segment boundary."""
+    out = {"targets": pack_per_token([shift_left(s.input_ids, IGNORE) for s in seqs], packed, IGNORE)}
+    if loss is None:
+        return out
+    columns: dict[str, list[torch.Tensor]] = {"loss_mask": [s.loss_mask for s in seqs]}
+    pads: dict[str, object] = {"loss_mask": False}
+    for s in seqs:
+        for name, (tensor, pad) in loss.token_fields(s).items():
+            columns.setdefault(name, []).append(tensor)
+            pads[name] = pad
+    for name, tensors in columns.items():
+        out[name] = pack_per_token([shift_left(t, pads[name]) for t in tensors], packed, pads[name])
     return out
+
+
+@dataclass
+class MicroBatch:
+    """One packed micro-batch on the device (FSDP2 engine): the THD row and its prediction-aligned
+    per-token ``fields`` (``targets``, ``loss_mask``, the loss's fields)."""
+
+    packed: PackedBatch  # the host-side layout: cu_seqlens, sample indices, padding
+    input_ids: torch.Tensor  # [T]
+    position_ids: torch.Tensor  # [T] restarting at 0 in every segment
+    cu_seqlens: torch.Tensor  # [S + 1]
+    max_seqlen: int
+    fields: dict[str, torch.Tensor]  # [T] each
+
+    @classmethod
+    def on(cls, packed: PackedBatch, fields: dict[str, torch.Tensor], device) -> MicroBatch:
+        return cls(
+            packed=packed,
+            input_ids=packed.input_ids.to(device),
+            position_ids=packed.position_ids.to(device),
+            cu_seqlens=packed.cu_seqlens.to(device),
+            max_seqlen=packed.max_seqlen,
+            fields={k: v.to(device) for k, v in fields.items()},
+        )

@@ -1,7 +1,7 @@
 """Supervised warm start before RL: policy and MTP head trained on the task's reference answers.
 
 ``areal-npu train`` runs it when ``warmstart.steps > 0`` (:func:`areal_npu.run.run_rl`): the base
-checkpoint is loaded into the train engine, trained with its ``sft`` loss (next-token loss of the
+checkpoint is loaded into the run's train engine, trained with ``SFTLoss`` (next-token loss of the
 policy plus the MTP loss), and written back as a Hugging Face checkpoint with ``mtp.*`` in the base
 checkpoint's layout (text or published), which the engines then start from.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_npu import names
+from areal_npu.data.sample import TrainSample
 from areal_npu.data.trajectory import sft_sample
 
 
@@ -35,7 +36,7 @@ class WarmStartConfig:
             raise ValueError("lr must be > 0")
 
 
-def warm_start_samples(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
+def warm_start_samples(tokenizer, pairs: list[tuple[str, str]]) -> list[TrainSample]:
     return [
         sft_sample(
             tokenizer.encode(p, add_special_tokens=False), tokenizer.encode(a, add_special_tokens=False)
@@ -45,22 +46,26 @@ def warm_start_samples(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
 
 
 def warm_start(
-    base_dir: Path, tasks, out_dir: Path, console, *, cfg: WarmStartConfig, train, mtp, ppo, seed: int
+    base_dir: Path, tasks, out_dir: Path, console, *, cfg: WarmStartConfig, train, mtp, seed: int,
+    workflow=None,
 ) -> Path:
     """SFT of policy and MTP head on the reference answers of ``tasks``; writes an HF checkpoint
-    with ``mtp.*`` in the base checkpoint's layout. ``train``, ``mtp``, ``ppo``: the run's train
-    engine, MTP and PPO configs (the optimizer is replaced by the warm start's)."""
+    with ``mtp.*`` in the base checkpoint's layout. ``train``, ``mtp``: the run's train engine and
+    MTP configs: the engine is the run's own (:func:`areal_npu.train.factory.build_engine`, the
+    ``SFTLoss``), with the warm start's optimizer. Repo tasks train on
+    recorded shell-agent demonstrations (:mod:`areal_npu.agent.demos`) under ``workflow``, the run's
+    workflow config."""
     from rich.progress import Progress
     from transformers import AutoTokenizer
 
+    from areal_npu.agent.demos import demo_samples
+    from areal_npu.agent.environments import RepoTask
     from areal_npu.agent.tasks import sft_pairs
-    from areal_npu.model.layout import load_for_training
-    from areal_npu.train.checkpoint import write_hf_checkpoint
-    from areal_npu.train.engine import FSDPEngine
+    from areal_npu.train.factory import build_engine
+    from areal_npu.train.losses import SFTLoss
     from areal_npu.train.optim import OptimConfig
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    lm, head, layout = load_for_training(base_dir, mtp)
     optim = OptimConfig(
         lr=cfg.lr,
         warmup_steps=min(20, cfg.steps // 10),
@@ -69,13 +74,20 @@ def warm_start(
         min_lr_ratio=0.1,
     )
     train_cfg = dataclasses.replace(train, optim=optim, ppo_minibatches=1)
-    engine = FSDPEngine(lm, head, train_cfg, mtp, ppo, pad_token_id=tokenizer.pad_token_id, layout=layout)
-    samples = warm_start_samples(tokenizer, sft_pairs(tasks))
+    engine = build_engine(train_cfg, base_dir, mtp, tokenizer.pad_token_id)
+    if tasks and isinstance(tasks[0], RepoTask):
+        if workflow is None:
+            raise ValueError("repo tasks warm-start on shell-agent demonstrations: pass the run's workflow config")
+        with console.status(f"recording {len(tasks)} demonstration episodes"):
+            samples = demo_samples(tokenizer, tasks, workflow, seed)
+    else:
+        samples = warm_start_samples(tokenizer, sft_pairs(tasks))
     rng = random.Random(seed)
+    loss = SFTLoss()
     with Progress(console=console, transient=False) as progress:
         bar = progress.add_task("warm start (SFT policy + MTP)", total=cfg.steps)
         for step in range(cfg.steps):
-            stats = engine.train_step(rng.sample(samples, min(cfg.batch_size, len(samples))), "sft")
+            stats = engine.train_step(rng.sample(samples, min(cfg.batch_size, len(samples))), loss)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 keys = (names.SFT_NLL, names.mtp_loss_key(1), names.mtp_acc_key(1))
                 progress.console.print(
@@ -84,6 +96,6 @@ def warm_start(
                 )
             progress.advance(bar)
     # in the base checkpoint's layout: a published one stays loadable by vLLM's VL class
-    write_hf_checkpoint(engine, out_dir, tokenizer)
+    engine.save_hf_checkpoint(out_dir, tokenizer)
     del engine
     return out_dir

@@ -17,6 +17,7 @@ from areal_npu.controller import ControllerConfig, RLController
 from areal_npu.model.tiny import build_tokenizer
 from areal_npu.rollout.client import GenerationResult, GenerationSample
 from areal_npu.rollout.config import SpecConfig
+from areal_npu.train.losses import PPOLoss
 
 JAIL_OK, JAIL_WHY = backend("bwrap").available()
 SUBMIT = "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"
@@ -48,7 +49,8 @@ class Client:
 
 def controller(tok, client, eval_tasks, tmp_path):
     return RLController(ControllerConfig(eval_size=len(eval_tasks)), SimpleNamespace(version=0), tok, client, eval_tasks,
-                        tmp_path, Logger(), spec=SpecConfig(), grpo=GRPOConfig(), seed=0, weight_bucket_bytes=1 << 20,
+                        tmp_path, Logger(), spec=SpecConfig(), grpo=GRPOConfig(), loss=PPOLoss(), seed=0,
+                        weight_bucket_bytes=1 << 20,
                         eval_tasks=eval_tasks)  # fmt: skip
 
 

@@ -99,6 +99,9 @@ def test_every_hadolint_ignore_is_justified():
 def test_shellcheck():
     scripts = shell_scripts()
     assert ROOT / "scripts" / "run_container.sh" in scripts
+    for chip in ("a2", "a3"):  # the 64K launch scripts and the body they source
+        assert ROOT / "recipes" / "code_agent_64k" / f"qwen3_6_27b_{chip}.sh" in scripts
+    assert ROOT / "recipes" / "code_agent_64k" / "_launch.sh" in scripts
     lint([linter("shellcheck"), "--external-sources", *map(str, scripts)])
 
 

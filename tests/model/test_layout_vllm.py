@@ -20,13 +20,14 @@ import pytest
 import torch
 
 from areal_npu.data.packing import PackingConfig
+from areal_npu.data.sample import TrainSample
 from areal_npu.model.layout import load_for_training
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import PUBLISHED_SERVABLE, TinyModelConfig, save_tiny_model
 from areal_npu.rollout.buckets import pack_bucket
-from areal_npu.train.checkpoint import write_hf_checkpoint
+from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import init_distributed
-from areal_npu.train.engine import FSDPEngine, TrainEngineConfig
+from areal_npu.train.fsdp2 import FSDPEngine
 from areal_npu.train.optim import OptimConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -120,9 +121,9 @@ def test_vllm_serves_the_published_layout_and_takes_exported_weights(
         text = [torch.tensor(list(b"the quick brown fox jumps over the lazy dog. " * 2))] * 4
         for _ in range(3):
             engine.train_step(
-                [{"input_ids": t, "loss_mask": torch.ones_like(t, dtype=torch.bool)} for t in text], "sft"
+                [TrainSample(input_ids=t, loss_mask=torch.ones_like(t, dtype=torch.bool)) for t in text], "sft"
             )
-        trained = write_hf_checkpoint(engine, tmp_path / "trained")
+        trained = engine.save_hf_checkpoint(tmp_path / "trained")
         buckets = list(engine.export_buckets(bucket_bytes=1 << 20))
         policy = [pair for kind, b in buckets if kind == "policy" for pair in b]
         draft = [pair for kind, b in buckets if kind == "mtp" for pair in b]

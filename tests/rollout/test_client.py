@@ -1,5 +1,7 @@
 """RolloutClient against stand-in engines (httpx mock transport): data-parallel routing, retries,
-one restart for many failures, failures returned (never lost or hung), bucketed weight updates."""
+one restart for many failures, failures returned (never lost or hung), bucketed weight updates
+(staged per engine, committed with the counts sent; an engine failing mid-update leaves the others
+committing), and the run's secret on every request."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from areal_npu.rollout.buckets import unpack_bucket
-from areal_npu.rollout.client import RolloutClient
+from areal_npu.rollout.client import RolloutClient, WeightSyncError
 
 
 def sample_body(n=1, tokens=(5, 6)):
@@ -30,6 +32,8 @@ class Engines:
     def __init__(self, hosts, delay=0.0):
         self.hosts = hosts
         self.down: set[str] = set()
+        self.fail_after_buckets: dict[str, int] = {}  # host -> goes down after this many buckets
+        self.headers: list[str | None] = []
         self.log: list[tuple[str, str, object]] = []
         self.delay = delay
 
@@ -38,6 +42,12 @@ class Engines:
         if host in self.down:
             raise httpx.ConnectError("connection refused", request=request)
         path = request.url.path + (f"?{request.url.query.decode()}" if request.url.query else "")
+        self.headers.append(request.headers.get("authorization"))
+        if "/bucket" in path and host in self.fail_after_buckets:
+            if self.fail_after_buckets[host] == 0:
+                self.down.add(host)
+                raise httpx.ConnectError("connection refused", request=request)
+            self.fail_after_buckets[host] -= 1
         body = request.content
         if path.endswith("/bucket?target=policy") or path.endswith("/bucket?target=draft"):
             payload = unpack_bucket(body)
@@ -156,7 +166,7 @@ def test_weight_update_is_bucketed_and_sent_to_every_engine():
         calls = [(path, payload) for h, path, payload in engines.log if h == host]
         paths = [p for p, _ in calls]
         assert paths[0] == "/areal/update_weights/begin" and paths[-1] == "/areal/update_weights/commit"
-        assert calls[-1][1] == {"version": 4}
+        assert calls[-1][1] == {"version": 4, "expect": {"policy": 5, "draft": 2}}  # what was sent
         buckets = [(p.rsplit("=", 1)[1], payload) for p, payload in calls if "/bucket" in p]
         assert [t for t, _ in buckets] == ["policy", "policy", "policy", "draft"]
         names = [sorted(name for name, _ in b) for _, b in buckets]
@@ -169,6 +179,61 @@ def test_weight_update_is_bucketed_and_sent_to_every_engine():
     engines.log.clear()
     asyncio.run(run(False))
     assert not any("target=draft" in path for _, path, _ in engines.log)
+    assert engines.log[-1][2] == {"version": 4, "expect": {"policy": 5}}
+
+
+def test_an_engine_failing_mid_update_is_dropped_and_the_others_commit():
+    engines = Engines(["a", "b", "c"])
+    engines.fail_after_buckets["b"] = 1  # b dies at its second bucket
+    tensors = [(f"model.layers.{i}.w", torch.full((256,), float(i))) for i in range(4)]
+
+    async def run():
+        async with client_for(engines, ["http://a", "http://b", "http://c"]) as client:
+            with pytest.raises(WeightSyncError) as err:
+                await client.update_weights(tensors, version=2, bucket_bytes=1024)
+            return err.value
+
+    error = asyncio.run(run())
+    assert sorted(error.failed) == [1] and error.committed == [0, 2] and error.version == 2
+    assert "bucket" in error.failed[1] and "engine 1" in str(error)
+    per_host = {h: [p for host, p, _ in engines.log if host == h] for h in "abc"}
+    for h in "ac":  # every bucket, then the commit
+        assert per_host[h][-1] == "/areal/update_weights/commit" and sum("/bucket" in p for p in per_host[h]) == 4
+    assert per_host["b"] == ["/areal/update_weights/begin", "/areal/update_weights/bucket?target=policy"]
+
+
+def test_update_of_some_engines_only():
+    engines = Engines(["a", "b"])
+
+    async def run():
+        async with client_for(engines, ["http://a", "http://b"]) as client:
+            return await client.update_weights([("w", torch.ones(4))], version=3, engines=[1])
+
+    result = asyncio.run(run())
+    assert {h for h, _, _ in engines.log} == {"b"} and result["engines"] == [1] and len(result["loaded"]) == 1
+
+
+class Holder:
+    """An engine with the secret the launcher made (EngineProcess's surface the client reads)."""
+
+    def __init__(self, host, secret):
+        self.url, self.secret = f"http://{host}", secret
+
+
+def test_every_request_carries_the_runs_secret():
+    engines = Engines(["a", "b"])
+
+    async def run():
+        targets = [Holder("a", "s3cret"), Holder("b", "s3cret")]
+        async with RolloutClient(targets, http_transport=httpx.MockTransport(engines.handler)) as client:
+            await client.generate([1], max_tokens=2)
+            await client.update_weights([("w", torch.ones(4))], version=1)
+            await client.counters()
+
+    asyncio.run(run())
+    assert len(engines.headers) > 5 and set(engines.headers) == {"Bearer s3cret"}
+    with pytest.raises(ValueError, match="different secrets"):
+        RolloutClient([Holder("a", "x"), Holder("b", "y")])
 
 
 def test_step_metrics_sum_engines_and_take_deltas():

@@ -84,8 +84,30 @@ def test_transport_per_device():
     assert cfg(device="cuda").resolved_transport() == "nccl"
     with pytest.raises(ValueError, match="^weight_transport 'hccl' does not exist on cpu"):
         cfg(device="cpu", weight_transport="hccl").validate()
-    with pytest.raises(ValueError, match="^weight_transport 'gloo' unknown"):
-        cfg(weight_transport="gloo").validate()
+    cfg(device="cpu", weight_transport="gloo").validate()  # the broadcast on the CPU (the tests' path)
+    with pytest.raises(ValueError, match="^weight_transport 'gloo' does not exist on npu"):
+        cfg(device="npu", weight_transport="gloo").validate()
+    with pytest.raises(ValueError, match="^weight_transport 'shm' unknown"):
+        cfg(weight_transport="shm").validate()
+    for ipc, device in (("cuda_ipc", "cuda"), ("npu_ipc", "npu")):  # nothing drives vLLM's IPC engines
+        with pytest.raises(ConfigError) as err:
+            cfg(device=device, weight_transport=ipc).validate()
+        assert err.value.key == "weight_transport" and "not wired" in str(err.value)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", ""])
+def test_engines_never_listen_on_every_interface(host):
+    with pytest.raises(ConfigError) as err:
+        cfg(host=host).validate()
+    assert err.value.key == "host" and "every interface" in str(err.value)
+    cfg(host="10.0.0.2").validate()  # a node's address, as the plan names it
+
+
+def test_weight_sync_retries():
+    assert cfg().weight_sync_retries == 2
+    cfg(weight_sync_retries=0).validate()
+    with pytest.raises(ValueError, match="^weight_sync_retries"):
+        cfg(weight_sync_retries=-1).validate()
 
 
 def test_other_fields():

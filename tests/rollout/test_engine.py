@@ -28,7 +28,7 @@ import httpx
 import pytest
 import torch
 
-from areal_npu.rollout import vllm_features
+from areal_npu.rollout import guard, vllm_features
 from areal_npu.rollout.client import RolloutClient
 from areal_npu.rollout.config import RolloutConfig, SpecConfig
 from areal_npu.rollout.launcher import EngineProcess
@@ -227,7 +227,8 @@ def test_acceptance_metrics_are_counter_deltas(engines):
 def test_openai_endpoint_and_request_validation(engines, model_dir):
     spec = engines["spec"]
     body = {"model": str(model_dir), "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
-    response = httpx.post(spec.url + "/v1/completions", json=body, timeout=60)
+    # vLLM's OpenAI routes take the run's secret as an OpenAI client's api_key (a Bearer token)
+    response = httpx.post(spec.url + "/v1/completions", json=body, timeout=60, headers=guard.auth_headers(spec.secret))
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
     # top_k with speculation is refused up front (it would kill vLLM 0.32), the engine stays up

@@ -153,3 +153,52 @@ def test_user_binding_and_non_cpu_devices_are_left_alone(monkeypatch):
     assert cpu_binding(RolloutConfig(model="m", device="cpu", num_engines=2), 1) == {}  # the user's setting wins
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     assert cpu_binding(RolloutConfig(model="m", device="npu", num_engines=2), 0) == {}
+
+
+def _group_pids(pgid):
+    import psutil
+
+    return [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid]
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def test_the_runs_secret_reaches_the_engine_by_environment_only(tmp_path):
+    """In the leader's environment (readable by its user only), in no process's command line (which
+    every user can read), nor in the engine's log; a restart keeps the same secret."""
+    engine = fake(tmp_path, "serve")
+    engine.secret = "not-on-the-command-line-" + "x" * 20
+    engine.start()
+    try:
+        pids = _group_pids(engine.pgid)
+        assert len(pids) >= 2  # the leader and its grandchild
+        for pid in pids:
+            assert engine.secret.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+        environ = open(f"/proc/{engine.proc.pid}/environ", "rb").read().split(b"\0")
+        assert f"AREAL_ENGINE_SECRET={engine.secret}".encode() in environ
+        engine.restart()
+        environ = open(f"/proc/{engine.proc.pid}/environ", "rb").read().split(b"\0")
+        assert f"AREAL_ENGINE_SECRET={engine.secret}".encode() in environ
+    finally:
+        engine.stop()
+    assert engine.secret not in engine.log_path.read_text()
+    assert engine.secret not in engine.cfg.to_json() and engine.secret not in str(engine.info())
+
+
+def test_one_secret_per_run_and_each_engine_on_its_planned_host(monkeypatch):
+    from areal_npu.rollout import launcher
+
+    started = []
+    monkeypatch.setattr(launcher.EngineProcess, "start", lambda self: started.append(self) or self)
+    cfg = RolloutConfig(model="m", device="cpu", num_engines=2)
+    first = launcher.launch_engines(cfg, hosts=["127.0.0.1", "127.0.0.2"])
+    second = launcher.launch_engines(cfg)
+    assert first[0].secret == first[1].secret and len(first[0].secret) >= 40
+    assert second[0].secret != first[0].secret  # a new run, a new secret
+    assert [e.cfg.host for e in first] == ["127.0.0.1", "127.0.0.2"] and first[1].url.startswith("http://127.0.0.2:")
+    assert EngineProcess(cfg).secret != EngineProcess(cfg).secret

@@ -1,6 +1,8 @@
-"""The engine's ``/areal`` routes refuse bad bodies with 400 naming the field, before the engine
-is touched. The routes run in a FastAPI test client against a fake engine that records its calls
-(no vLLM engine starts); the expected answers are written out by hand."""
+"""The engine's ``/areal`` routes behind the guard: 401 without the run's secret and 413 past the
+body limit, before the engine is touched; bad bodies refused with 400 naming the field; weight
+updates staged until a complete commit, and an engine with partly loaded weights kept paused. The
+routes run in a FastAPI test client against a fake engine that records its calls (no vLLM engine
+starts); the expected answers are written out by hand."""
 
 import inspect
 from types import SimpleNamespace
@@ -11,26 +13,37 @@ pytest.importorskip("fastapi")  # the server's dependency (vLLM brings it on eng
 from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from areal_npu.rollout import request_body, server  # noqa: E402
+from areal_npu.rollout import guard, request_body, server  # noqa: E402
+from areal_npu.rollout.buckets import pack_bucket  # noqa: E402
 from areal_npu.rollout.client import RolloutClient  # noqa: E402
 from areal_npu.rollout.config import RolloutConfig, SpecConfig  # noqa: E402
 from areal_npu.spec import k_driver  # noqa: E402
 
 K_MAX = 3
+SECRET = "run-secret"
+LIMITS = guard.BodyLimits(bucket=64 << 10, other=8 << 10)
 
 
 class FakeEngine:
-    """Records every call the routes make; generates two tokens per sample."""
+    """Records every call the routes make; generates two tokens per sample. ``failing``: worker
+    methods (``collective_rpc`` names) that raise."""
 
     def __init__(self):
         self.calls = []
+        self.failing: set[str] = set()
 
     def __getattr__(self, name):
         async def record(*args, **kwargs):
             self.calls.append((name, args, kwargs))
+            if name == "collective_rpc" and args[0] in self.failing:
+                raise RuntimeError(f"{args[0]} failed")
             return [7] if name == "collective_rpc" else None
 
         return record
+
+    def names(self):
+        """Engine calls, worker methods by their own name."""
+        return [args[0] if name == "collective_rpc" else name for name, args, _ in self.calls]
 
     async def generate(self, prompt, params, request_id):
         self.calls.append(("generate", (prompt, params, request_id), {}))
@@ -54,11 +67,24 @@ def http(engine, tmp_path, monkeypatch):
     cfg = RolloutConfig(spec=SpecConfig(method="mtp", num_speculative_tokens=K_MAX, adaptive=True))
     app = FastAPI()
     app.include_router(server.make_router(server.EngineState(engine, cfg)))
+    app.middleware_stack = app.build_middleware_stack()  # as vLLM's app setup leaves it
+    guard.install(app, SECRET, LIMITS)
     # the real SamplingParams needs vLLM; the routes only read ``n`` from it
     monkeypatch.setattr(
         server, "_sampling_params", lambda body, top_k: SimpleNamespace(body=body, top_k=top_k, n=body["n"])
     )
-    return TestClient(app, raise_server_exceptions=False)
+    return TestClient(app, raise_server_exceptions=False, headers=guard.auth_headers(SECRET))
+
+
+def bucket(**tensors):
+    import torch
+
+    return pack_bucket([(name, torch.full((4,), float(v))) for name, v in tensors.items()])
+
+
+LAYOUT = {"nbytes": 64, "tensors": [["model.norm.weight", "float32", [4], 0]]}
+GROUP = {"backend": "gloo", "host": "127.0.0.1", "port": 29000, "prefix": "p", "world_size": 2,
+         "rank_offset": 1, "timeout_s": 30.0}  # fmt: skip
 
 
 BAD = [
@@ -89,14 +115,20 @@ BAD = [
     ("/areal/update_weights/begin", {"version": 1}, "version"),
     ("/areal/update_weights/bucket?target=critic", b"\x00" * 8, "target"),
     ("/areal/update_weights/bucket", b"", "body"),
+    ("/areal/update_weights/bucket", b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!", "body"),
     ("/areal/update_weights/commit", {"version": "3"}, "version"),
     ("/areal/update_weights/commit", {"version": -1}, "version"),
-    ("/areal/update_weights/collective/init", {}, "init_info"),
-    ("/areal/update_weights/collective/init", {"init_info": [1]}, "init_info"),
-    ("/areal/update_weights/collective/start", {"target": "critic"}, "target"),
-    ("/areal/update_weights/collective/chunk", {}, "update_info"),
-    ("/areal/update_weights/collective/chunk", {"update_info": "x"}, "update_info"),
-    ("/areal/update_weights/collective/finish", {"target": "draft"}, "target"),
+    ("/areal/update_weights/commit", {"expect": {"critic": 1}}, "expect"),
+    ("/areal/update_weights/commit", {"expect": {"policy": -1}}, "expect"),
+    ("/areal/update_weights/abort", {"version": 1}, "version"),
+    ("/areal/update_weights/collective/init", {}, "group"),
+    ("/areal/update_weights/collective/init", {"group": [1]}, "group"),
+    ("/areal/update_weights/collective/init", {"group": {**GROUP, "backend": "mpi"}}, "group"),
+    ("/areal/update_weights/collective/init", {"group": {**GROUP, "rank_offset": 0}}, "group"),
+    ("/areal/update_weights/collective/bucket", {"layout": LAYOUT, "target": "critic"}, "target"),
+    ("/areal/update_weights/collective/bucket", {}, "layout"),
+    ("/areal/update_weights/collective/bucket", {"layout": {"nbytes": 8, "tensors": [["w", "float32", [4], 16]]}},
+     "layout"),
     ("/areal/debug/param_sums?target=critic", None, "target"),
 ]
 
@@ -138,15 +170,120 @@ def test_good_generate_reaches_the_engine_with_its_values(http, engine):
     assert params.body == expected and params.top_k == 0
 
 
-def test_good_weight_update_goes_through(http, engine):
+def test_good_weight_update_is_staged_then_applied_at_the_commit(http, engine):
     assert http.post("/areal/update_weights/begin", json={}).status_code == 200
-    response = http.post("/areal/update_weights/bucket?target=draft", content=b"\x01" * 16)
-    assert response.status_code == 200 and response.json() == {"loaded": 7}
-    response = http.post("/areal/update_weights/commit", json={"version": 4})
+    response = http.post("/areal/update_weights/bucket?target=policy", content=bucket(a=1, b=2))
+    assert response.status_code == 200 and response.json() == {"staged": 2}
+    response = http.post("/areal/update_weights/bucket?target=draft", content=bucket(**{"mtp.c": 3}))
+    assert response.status_code == 200 and response.json() == {"staged": 1}
+    assert engine.calls == []  # staged: the engine generates on, untouched
+    response = http.post("/areal/update_weights/commit", json={"version": 4, "expect": {"policy": 2, "draft": 1}})
     assert response.status_code == 200 and response.json()["version"] == 4
-    names = [name for name, _, _ in engine.calls]
-    assert names[0] == "pause_generation" and names[-1] == "resume_generation"
+    assert engine.names() == [
+        "pause_generation",
+        "areal_begin_update", "areal_load_bucket", "areal_finish_update",  # policy
+        "areal_begin_update", "areal_load_bucket", "areal_finish_update",  # drafter
+        "resume_generation",
+    ]  # fmt: skip
+    assert http.get("/areal/version").json()["version"] == 4
     assert http.post("/areal/spec_k", json={"k": 0}).json() == {"k": 0}
+
+
+def test_an_incomplete_or_abandoned_update_changes_nothing(http, engine):
+    http.post("/areal/update_weights/begin", json={})
+    http.post("/areal/update_weights/bucket", content=bucket(a=1))
+    response = http.post("/areal/update_weights/commit", json={"version": 1, "expect": {"policy": 2}})
+    assert response.status_code == 409 and "nothing applied" in response.json()["detail"]
+    assert http.post("/areal/update_weights/commit", json={"version": 1}).status_code == 409  # session gone
+    http.post("/areal/update_weights/begin", json={})
+    http.post("/areal/update_weights/bucket", content=bucket(a=1))
+    assert http.post("/areal/update_weights/abort", json={}).json() == {"version": 0, "dirty": None}
+    http.post("/areal/update_weights/begin", json={})
+    http.post("/areal/update_weights/bucket", content=bucket(a=1))
+    http.post("/areal/update_weights/begin", json={})  # a new session drops the staged one
+    http.post("/areal/update_weights/bucket", content=bucket(b=1))
+    assert engine.calls == []
+    state = http.get("/areal/version").json()
+    assert state["version"] == 0 and state["dirty"] is None
+    response = http.post("/areal/update_weights/commit", json={"version": 1, "expect": {"policy": 1}})
+    assert response.status_code == 200 and engine.names().count("areal_load_bucket") == 1
+
+
+def test_a_failed_broadcast_keeps_the_engine_paused_until_a_whole_update(http, engine):
+    engine.failing.add("areal_receive_bucket")
+    http.post("/areal/update_weights/begin", json={})
+    response = http.post("/areal/update_weights/collective/bucket", json={"target": "policy", "layout": LAYOUT})
+    assert response.status_code == 500 and "areal_receive_bucket failed" in response.json()["detail"]
+    assert engine.names() == ["pause_generation", "areal_begin_update", "areal_receive_bucket",
+                              "areal_finish_update"]  # fmt: skip  # paused, the workers' reload closed
+    state = http.get("/areal/version").json()
+    assert state["version"] == 0 and "broadcast failed" in state["dirty"]
+    # nothing is generated from partly loaded weights, and nobody resumes the engine
+    assert http.post("/areal/generate", json={"input_ids": [1]}).status_code == 503
+    assert http.post("/areal/resume", json={}).status_code == 409
+    # a commit must carry the dirty target whole
+    http.post("/areal/update_weights/begin", json={})
+    http.post("/areal/update_weights/bucket?target=draft", content=bucket(**{"mtp.a": 1}))
+    response = http.post("/areal/update_weights/commit", json={"version": 1, "expect": {"draft": 1}})
+    assert response.status_code == 409 and "policy weights are partly loaded" in response.json()["detail"]
+    assert "resume_generation" not in engine.names()
+    engine.failing.clear()
+    http.post("/areal/update_weights/begin", json={})
+    http.post("/areal/update_weights/bucket", content=bucket(a=1, b=2))
+    response = http.post("/areal/update_weights/commit", json={"version": 1, "expect": {"policy": 2}})
+    assert response.status_code == 200
+    assert engine.names()[-1] == "resume_generation"
+    state = http.get("/areal/version").json()
+    assert state["version"] == 1 and state["dirty"] is None
+    assert http.post("/areal/generate", json={"input_ids": [1]}).status_code == 200
+
+
+def test_a_failed_apply_at_the_commit_leaves_the_engine_paused(http, engine):
+    engine.failing.add("areal_load_bucket")
+    http.post("/areal/update_weights/begin", json={})
+    http.post("/areal/update_weights/bucket", content=bucket(a=1))
+    response = http.post("/areal/update_weights/commit", json={"version": 1, "expect": {"policy": 1}})
+    assert response.status_code == 500
+    assert engine.names()[0] == "pause_generation" and "resume_generation" not in engine.names()
+    state = http.get("/areal/version").json()
+    assert state["version"] == 0 and "applying the update failed" in state["dirty"]
+
+
+def _routes():
+    router = server.make_router(SimpleNamespace(cfg=RolloutConfig()))
+    return [(method, r.path) for r in router.routes for method in sorted(getattr(r, "methods", ()))]
+
+
+def test_without_the_secret_every_route_is_refused_before_anything_runs(http, engine):
+    routes = _routes() + [("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/scale_elastic_ep"),
+                          ("GET", "/metrics"), ("GET", "/anything/vllm/adds/later")]  # fmt: skip
+    assert len(routes) > 15
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {SECRET}"}):
+        for method, path in routes:
+            body = bucket(a=1) if path.endswith("/bucket") else b'{"input_ids": [1]}'
+            response = http.request(method, path, content=body, headers=headers)
+            assert response.status_code == 401, (method, path, response.status_code)
+    assert engine.calls == []
+    assert http.get("/health", headers={"Authorization": ""}).status_code != 401  # open for probes
+
+
+def test_an_oversized_body_is_refused_with_413(http, engine):
+    huge = bucket(**{f"w{i}": i for i in range(10)}) + b"\x00" * LIMITS.bucket
+    http.post("/areal/update_weights/begin", json={})
+    response = http.post("/areal/update_weights/bucket", content=huge)
+    assert response.status_code == 413 and "larger than" in response.json()["detail"]
+    response = http.post("/areal/generate", json={"input_ids": [1] * (LIMITS.other // 2)})
+    assert response.status_code == 413
+
+    def stream():  # no Content-Length: refused once the stream passes the limit
+        for _ in range(LIMITS.other // 1024 + 2):
+            yield b" " * 1024
+
+    response = http.post("/areal/generate", content=stream())
+    assert response.status_code == 413
+    response = http.post("/areal/update_weights/bucket", content=bucket(a=1))  # within the limit
+    assert response.status_code == 200
+    assert engine.calls == []
 
 
 def test_generate_defaults_match_the_client():

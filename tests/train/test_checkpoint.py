@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from areal_npu.config import ConfigError
-from areal_npu.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from areal_npu.data.sample import TrainSample
+from areal_npu.train.checkpoint import checkpoint_to_resume
 from areal_npu.train.dist import init_distributed
+from areal_npu.train.losses import SFTLoss
 from tests.train.test_engine import make_engine, make_samples
 
 
@@ -23,11 +25,11 @@ def written(tmp_path_factory):
     """Two checkpoints, step_1 and step_2, of a tiny engine trained one SFT step between them."""
     init_distributed()
     engine, _ = make_engine()
-    samples = [{"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in make_samples()]
+    samples = [TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask) for s in make_samples()]
     root = tmp_path_factory.mktemp("run") / "checkpoints"
     for step in range(2):
-        engine.train_step(samples, "sft")
-        save_checkpoint(engine, root, extra={"step": step})
+        engine.train_step(samples, SFTLoss())
+        engine.save_checkpoint(root, extra={"step": step})
     return root
 
 
@@ -78,7 +80,7 @@ def test_truncated_latest_falls_back_to_the_newest_intact_with_a_warning(root):
     [warning] = warnings
     assert "step_1" in warning and str(root / "step_2" / "model.safetensors") in warning
     engine, _ = make_engine()
-    assert load_checkpoint(engine, chosen) == {"step": 0} and engine.version == 1  # it really loads
+    assert engine.load_checkpoint(chosen) == {"step": 0} and engine.version == 1  # it really loads
 
 
 def test_corrupted_bytes_of_the_same_size_are_caught(root):

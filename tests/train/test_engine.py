@@ -9,14 +9,16 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_npu.algo.guard import NonFiniteError
-from areal_npu.algo.ppo import PPOConfig
 from areal_npu.data.packing import PackingConfig
+from areal_npu.data.sample import TrainSample
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig, build_tiny_model
 from areal_npu.platform import current_platform
-from areal_npu.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from areal_npu.train.checkpoint import latest_checkpoint
+from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import init_distributed
-from areal_npu.train.engine import FSDPEngine, TrainEngineConfig
+from areal_npu.train.fsdp2 import FSDPEngine
+from areal_npu.train.losses import PPOLoss, SFTLoss
 from areal_npu.train.optim import OptimConfig
 
 TINY = TinyModelConfig(
@@ -45,26 +47,24 @@ def make_samples(n=5, seed=0):
         mask[p:] = True
         mask[p + 1] = i % 2 == 0  # an environment token inside the response for some samples
         samples.append(
-            {
-                "input_ids": ids,
-                "loss_mask": mask,
-                "behave_logp": torch.where(
-                    mask, -5.8 + 0.3 * torch.randn(p + r, generator=g), torch.zeros(p + r)
-                ),
-                "versions": torch.where(mask, torch.full((p + r,), 0), torch.full((p + r,), -1)),
-                "advantage": torch.tensor(float(torch.randn((), generator=g))),
-            }
+            TrainSample(
+                input_ids=ids,
+                loss_mask=mask,
+                behave_logp=torch.where(mask, -5.8 + 0.3 * torch.randn(p + r, generator=g), torch.zeros(p + r)),
+                versions=torch.where(mask, torch.full((p + r,), 0), torch.full((p + r,), -1)),
+                advantage=torch.tensor(float(torch.randn((), generator=g))),
+            )
         )
     return samples
 
 
-def make_engine(cap=24, mtp=False, lr=1e-2, ppo=None, adam_eps=1e-8):
+def make_engine(cap=24, mtp=False, lr=1e-2, adam_eps=1e-8):
     lm, head, _ = build_tiny_model(TINY)
     reference = copy.deepcopy(lm)
     optim = OptimConfig(lr=lr, grad_clip=0.0, eps=adam_eps)
     cfg = TrainEngineConfig(packing=PackingConfig(max_tokens_per_mb=cap), optim=optim)
     mtp_cfg = MTPConfig(enabled=mtp, train=mtp)
-    engine = FSDPEngine(lm, head if mtp else None, cfg, mtp_config=mtp_cfg, ppo_config=ppo or PPOConfig())
+    engine = FSDPEngine(lm, head if mtp else None, cfg, mtp_config=mtp_cfg)
     return engine, reference
 
 
@@ -76,15 +76,15 @@ def reference_logprobs(model, ids):
 
 def naive_decoupled_loss(model, samples, eps=0.2):
     """sum over masked tokens of w * max(-r A, -clip(r) A) / N, r = pi/pi_prox, w = pi_prox/pi_behave."""
-    total, n = 0.0, sum(int(s["loss_mask"].sum()) for s in samples)
+    total, n = 0.0, sum(int(s.loss_mask.sum()) for s in samples)
     for s in samples:
-        logp = reference_logprobs(model, s["input_ids"])
+        logp = reference_logprobs(model, s.input_ids)
         for t in range(len(logp)):
-            if s["loss_mask"][t]:
+            if s.loss_mask[t]:
                 prox, behave, adv = (
-                    float(s["prox_logp"][t]),
-                    float(s["behave_logp"][t]),
-                    float(s["advantage"]),
+                    float(s.prox_logp[t]),
+                    float(s.behave_logp[t]),
+                    float(s.advantage),
                 )
                 r = torch.exp(logp[t] - prox)
                 clipped = torch.clamp(r, 1 - eps, 1 + eps)
@@ -124,10 +124,10 @@ def test_logprobs_loss_and_grads_match_unpacked_reference():
     prox = engine.compute_logprobs(samples)
     for s, lp in zip(samples, prox):
         torch.testing.assert_close(
-            lp.double(), reference_logprobs(reference, s["input_ids"]).detach(), rtol=1e-5, atol=1e-5
+            lp.double(), reference_logprobs(reference, s.input_ids).detach(), rtol=1e-5, atol=1e-5
         )
-        s["prox_logp"] = lp
-    stats = engine.forward_backward(samples, "ppo")
+        s.prox_logp = lp
+    stats = engine.forward_backward(samples, PPOLoss())
     assert stats["packing/micro_batches"] >= 3  # the cap really split the batch
     reference.double()
     loss = naive_decoupled_loss(reference, samples)
@@ -144,21 +144,21 @@ def test_nonfinite_input_is_caught_and_nothing_is_applied():
     engine, _ = make_engine()
     samples = make_samples()
     for s, lp in zip(samples, engine.compute_logprobs(samples)):
-        s["prox_logp"] = lp
-    samples[2]["behave_logp"][-1] = float("nan")
+        s.prox_logp = lp
+    samples[2].behave_logp[-1] = float("nan")
     before = {n: t.clone() for n, t in engine.full_state_dict()}
     with pytest.raises(NonFiniteError, match="behave_logp"):
-        engine.train_step(samples, "ppo", step=7)
+        engine.train_step(samples, PPOLoss(), step=7)
     after = dict(engine.full_state_dict())
     assert all(torch.equal(before[n], after[n]) for n in before) and engine.version == 0
 
 
 def test_sft_with_mtp_trains_both_and_exports_in_buckets():
     engine, _ = make_engine(mtp=True, lr=3e-3)
-    samples = [{"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in make_samples()]
-    first = engine.train_step(samples, "sft")
+    samples = [TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask) for s in make_samples()]
+    first = engine.train_step(samples, SFTLoss())
     for _ in range(15):
-        last = engine.train_step(samples, "sft")
+        last = engine.train_step(samples, SFTLoss())
     assert last["sft/nll"] < first["sft/nll"] and last["mtp/loss_d1"] < first["mtp/loss_d1"]
     assert 0.0 <= last["mtp/acc_d1"] <= 1.0 and engine.version == 16
     names = dict(engine.full_state_dict())
@@ -177,8 +177,8 @@ ADAM_EPS = 1e-3
 
 def _ppo_step(engine, samples):
     for s, lp in zip(samples, engine.compute_logprobs(samples)):
-        s["prox_logp"] = lp
-    stats = engine.forward_backward(samples, "ppo")
+        s.prox_logp = lp
+    stats = engine.forward_backward(samples, PPOLoss())
     grads = full_grads(engine)
     engine.optimizer_step()
     return stats, grads, dict(engine.full_state_dict())
@@ -223,15 +223,15 @@ def test_resume_continues_exactly(tmp_path):
     def step(engine, seed):
         samples = make_samples(seed=seed)
         for s, lp in zip(samples, engine.compute_logprobs(samples)):
-            s["prox_logp"] = lp
-        return engine.train_step(samples, "ppo")
+            s.prox_logp = lp
+        return engine.train_step(samples, PPOLoss())
 
     a, _ = make_engine(mtp=True)
     step(a, 0)
-    save_checkpoint(a, tmp_path / "ckpt", extra={"data_position": 5})
+    a.save_checkpoint(tmp_path / "ckpt", extra={"data_position": 5})
     expected = step(a, 1)
     b, _ = make_engine(mtp=True)
-    extra = load_checkpoint(b, latest_checkpoint(tmp_path / "ckpt"))
+    extra = b.load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))
     assert extra == {"data_position": 5} and b.version == 1
     got = step(b, 1)
     assert got["ppo/loss"] == pytest.approx(expected["ppo/loss"], rel=1e-6)

@@ -13,8 +13,10 @@ import torch
 
 from areal_npu.data.packing import PackingConfig
 from areal_npu.model.tiny import build_tiny_model
+from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import init_distributed
-from areal_npu.train.engine import FSDPEngine, TrainEngineConfig
+from areal_npu.train.fsdp2 import FSDPEngine
+from areal_npu.train.losses import PPOLoss
 from areal_npu.train.optim import OptimConfig
 from tests.train.test_engine import TINY, make_engine, make_samples, naive_decoupled_loss, reference_logprobs
 
@@ -36,10 +38,10 @@ def test_fsdp2_step_float32_on_cuda_matches_float64_reference():
     prox = engine.compute_logprobs(samples)
     reference.double()
     for s, lp in zip(samples, prox):
-        ref = reference_logprobs(reference, s["input_ids"]).detach()
+        ref = reference_logprobs(reference, s.input_ids).detach()
         torch.testing.assert_close(lp.double().cpu(), ref, rtol=1e-4, atol=1e-5)
-        s["prox_logp"] = lp.cpu()
-    stats = engine.forward_backward(samples, "ppo")
+        s.prox_logp = lp.cpu()
+    stats = engine.forward_backward(samples, PPOLoss())
     loss = naive_decoupled_loss(reference, samples)
     loss.backward()
     assert stats["ppo/loss"] == pytest.approx(float(loss), rel=1e-4, abs=1e-6)
@@ -65,25 +67,25 @@ def test_fsdp2_bf16_step_on_cuda_within_bf16_error():
     exact_model = build_tiny_model(TINY)[0].double()
     bf16_model = build_tiny_model(TINY)[0].to(device="cuda", dtype=torch.bfloat16)
     for s, lp in zip(samples, ours):
-        exact = reference_logprobs(exact_model, s["input_ids"]).detach()
-        unpacked_bf16 = reference_logprobs(bf16_model, s["input_ids"].cuda()).detach().cpu()
+        exact = reference_logprobs(exact_model, s.input_ids).detach()
+        unpacked_bf16 = reference_logprobs(bf16_model, s.input_ids.cuda()).detach().cpu()
         err_ours = (lp.double().cpu() - exact).abs().max().item()
         err_bf16 = (unpacked_bf16 - exact).abs().max().item()
         assert err_ours <= 3 * err_bf16 + 1e-2, (err_ours, err_bf16)
-        s["prox_logp"] = lp.cpu()
+        s.prox_logp = lp.cpu()
     # With π_prox from this very model the ratio is 1, so the loss is Σ w·(−A) / N over masked
     # tokens with w = π_prox/π_behave: a formula in the inputs alone.
-    n = sum(int(s["loss_mask"].sum()) for s in samples)
+    n = sum(int(s.loss_mask.sum()) for s in samples)
     expected = (
         sum(
             float(
-                (torch.exp(s["prox_logp"].double() - s["behave_logp"].double()) * -float(s["advantage"]))[
-                    s["loss_mask"]
+                (torch.exp(s.prox_logp.double() - s.behave_logp.double()) * -float(s.advantage))[
+                    s.loss_mask
                 ].sum()
             )
             for s in samples
         )
         / n
     )
-    stats = engine.forward_backward(samples, "ppo")
+    stats = engine.forward_backward(samples, PPOLoss())
     assert stats["ppo/loss"] == pytest.approx(expected, rel=2e-2)

@@ -17,12 +17,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from areal_npu.data.packing import PackingConfig
+from areal_npu.data.sample import TrainSample
 from areal_npu.model.layout import load_for_training
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
-from areal_npu.train.checkpoint import load_checkpoint, save_checkpoint
+from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import init_distributed
-from areal_npu.train.engine import FSDPEngine, TrainEngineConfig
+from areal_npu.train.fsdp2 import FSDPEngine
+from areal_npu.train.losses import SFTLoss
 from areal_npu.train.optim import OptimConfig
 
 # 3 Gated DeltaNet + 1 full attention, like each quarter of Qwen3.6-27B; one MTP layer
@@ -77,7 +79,7 @@ def samples(n=4, seed=0):
         ids = torch.randint(0, 256, (p + r,), generator=g)
         mask = torch.zeros(p + r, dtype=torch.bool)
         mask[p:] = True
-        out.append({"input_ids": ids, "loss_mask": mask})
+        out.append(TrainSample(input_ids=ids, loss_mask=mask))
     return out
 
 
@@ -114,14 +116,14 @@ def test_packed_step_equals_the_text_layout_and_the_unpacked_vl_model(checkpoint
     # packed (GDN state reset per segment) against the VL class run on each sequence alone
     vl = Qwen3_5ForConditionalGeneration.from_pretrained(published, dtype=torch.float64).eval()
     for s, got in zip(batch, logp_a):
-        ids = s["input_ids"]
+        ids = s.input_ids
         with torch.no_grad():
             logits = vl(input_ids=ids[None]).logits[0]
         want = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
         torch.testing.assert_close(got[1:].double(), want, rtol=0, atol=2e-5)
 
-    stats_a = a.forward_backward(batch, "sft")
-    stats_b = b.forward_backward(batch, "sft")
+    stats_a = a.forward_backward(batch, SFTLoss())
+    stats_b = b.forward_backward(batch, SFTLoss())
     assert stats_a == stats_b
     assert stats_a["mtp/n_d1"] > 0
     ga, gb = grads(a), grads(b)
@@ -156,8 +158,8 @@ def test_checkpoint_keeps_the_layout_and_resumes(checkpoints, tmp_path):
 
     published, _ = checkpoints
     engine = engine_for(published)
-    engine.train_step(samples(), "sft")
-    path = save_checkpoint(engine, tmp_path / "ckpts")
+    engine.train_step(samples(), SFTLoss())
+    path = engine.save_checkpoint(tmp_path / "ckpts")
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     assert config["text_config"]["mtp_num_hidden_layers"] == 1
@@ -178,12 +180,12 @@ def test_checkpoint_keeps_the_layout_and_resumes(checkpoints, tmp_path):
     assert not info["missing_keys"]
 
     resumed = engine_for(path)
-    load_checkpoint(resumed, path)
+    resumed.load_checkpoint(path)
     assert resumed.version == engine.version == 1
     for (n1, t1), (n2, t2) in zip(engine.full_state_dict(), resumed.full_state_dict()):
         assert n1 == n2 and torch.equal(t1, t2)
     batch = samples(seed=3)
-    assert engine.train_step(batch, "sft") == resumed.train_step(batch, "sft")
+    assert engine.train_step(batch, SFTLoss()) == resumed.train_step(batch, SFTLoss())
 
 
 def test_warm_start_writes_the_published_layout_back(checkpoints, tmp_path):
@@ -198,7 +200,7 @@ def test_warm_start_writes_the_published_layout_back(checkpoints, tmp_path):
     cfg = load_config(RLConfig, QUICKSTART, ["warmstart.steps=2", "warmstart.batch_size=4", "task.n_train=8"])
     out = warm_start(
         published, make_splits(cfg.task)[0], tmp_path / "warm", Console(quiet=True),
-        cfg=cfg.warmstart, train=cfg.train, mtp=cfg.mtp, ppo=cfg.ppo, seed=cfg.seed,
+        cfg=cfg.warmstart, train=cfg.train, mtp=cfg.mtp, seed=cfg.seed,
     )  # fmt: skip
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config

@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from areal_npu.data.packing import PackingConfig
+from areal_npu.data.sample import TrainSample
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig, build_tiny_model
+from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import init_distributed
-from areal_npu.train.engine import FSDPEngine, TrainEngineConfig
+from areal_npu.train.fsdp2 import FSDPEngine
+from areal_npu.train.losses import SFTLoss
 from areal_npu.train.optim import OptimConfig
 from tests.train.test_engine import TINY, full_grads, make_samples
 
@@ -36,7 +39,7 @@ def process_group():
 
 
 def sft_samples(n=5, seed=0):
-    return [{"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in make_samples(n, seed)]
+    return [TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask) for s in make_samples(n, seed)]
 
 
 def engine_for(
@@ -63,7 +66,7 @@ def local_params(engine) -> dict[str, torch.Tensor]:
 
 def test_bf16_engine_keeps_fp32_parameters_grads_and_optimizer_states():
     engine = engine_for("bfloat16", mtp=True)
-    stats = engine.train_step(sft_samples(), "sft")
+    stats = engine.train_step(sft_samples(), SFTLoss())
     assert stats["packing/micro_batches"] == 1  # one packed micro-batch
     for name, p in engine.module.named_parameters():
         assert p.dtype == torch.float32, name
@@ -88,7 +91,7 @@ def test_bf16_update_equals_fp32_update_within_bf16_error():
     updates = {}
     for dtype in ("float32", "bfloat16"):
         engine = engine_for(dtype, lr=1e-3, adam_eps=10.0)
-        engine.train_step(samples, "sft")
+        engine.train_step(samples, SFTLoss())
         updates[dtype] = {n: t - before[n] for n, t in engine.full_state_dict()}
     for name, ref in updates["float32"].items():
         got = updates["bfloat16"][name]
@@ -104,7 +107,7 @@ def test_an_update_below_bf16_resolution_is_not_lost():
     lr = 1e-6
     engine = engine_for("bfloat16", lr=lr)
     before = {n: p.detach().clone() for n, p in local_params(engine).items()}
-    engine.forward_backward(sft_samples(), "sft")
+    engine.forward_backward(sft_samples(), SFTLoss())
     grads = {
         n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().clone()
         for n, p in engine.module.named_parameters()
@@ -152,7 +155,7 @@ def test_checkpointing_gives_the_same_gradients_on_a_packed_micro_batch(dtype):
         engine = engine_for(dtype, mtp=True, checkpointing=checkpointing, tiny=HYBRID, depths=2)
         logprobs[checkpointing] = engine.compute_logprobs(samples)  # no_grad
         calls = _count_layer_calls(engine)
-        stats = engine.forward_backward(samples, "sft")
+        stats = engine.forward_backward(samples, SFTLoss())
         assert stats["packing/micro_batches"] == 1
         depths = engine.mtp_config.num_depths
         expected_calls = 2 if checkpointing else 1

@@ -6,14 +6,19 @@ hand-cut samples, and the MTP label count ``sum_i sum(loss_mask_i[:cap][2:])`` (
 token t + 2, so a token carries MTP loss when it is trained and has two tokens before it).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from areal_npu.data.packing import PackingConfig
+from areal_npu.data.sample import TrainSample
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import build_tiny_model
+from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import init_distributed
-from areal_npu.train.engine import FSDPEngine, TrainEngineConfig
+from areal_npu.train.fsdp2 import FSDPEngine
+from areal_npu.train.losses import PPOLoss, SFTLoss
 from areal_npu.train.optim import OptimConfig
 from tests.train.test_engine import (
     TINY,
@@ -44,25 +49,26 @@ def _engine(on_too_long="truncate", mtp=False):
 
 def _cut(sample):
     """The reference truncation, by hand: every per-token field keeps its first CAP rows."""
-    return {k: (v[:CAP] if v.dim() else v) for k, v in sample.items()}
+    fields = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
+    return TrainSample(**{k: (v[:CAP] if v is not None and v.dim() else v) for k, v in fields.items()})
 
 
 def test_truncate_trains_on_the_first_cap_tokens_of_a_long_sequence():
     engine, reference = _engine()
     samples = make_samples()
-    assert max(len(s["input_ids"]) for s in samples) > CAP
+    assert max(len(s.input_ids) for s in samples) > CAP
     prox = engine.compute_logprobs(samples)
     for s, lp in zip(samples, prox):
-        cut = s["input_ids"][:CAP]
+        cut = s.input_ids[:CAP]
         assert lp.shape == cut.shape  # log-probs exist only for the tokens that are trained
         torch.testing.assert_close(
             lp.double(), reference_logprobs(reference, cut).detach(), rtol=1e-5, atol=1e-5
         )
-        s["prox_logp"] = lp
-    stats = engine.forward_backward(samples, "ppo")  # full-length samples, cap-length prox_logp
+        s.prox_logp = lp
+    stats = engine.forward_backward(samples, PPOLoss())  # full-length samples, cap-length prox_logp
     assert stats["packing/tokens_per_mb_max"] <= CAP
-    assert stats["packing/truncated_sequences"] == sum(len(s["input_ids"]) > CAP for s in samples)
-    assert stats["train/n_tokens"] == sum(int(s["loss_mask"][:CAP].sum()) for s in samples)
+    assert stats["packing/truncated_sequences"] == sum(len(s.input_ids) > CAP for s in samples)
+    assert stats["train/n_tokens"] == sum(int(s.loss_mask[:CAP].sum()) for s in samples)
     reference.double()
     loss = naive_decoupled_loss(reference, [_cut(s) for s in samples])
     loss.backward()
@@ -74,13 +80,13 @@ def test_truncate_trains_on_the_first_cap_tokens_of_a_long_sequence():
 
 
 def test_truncate_cuts_mtp_labels_with_the_sequence():
-    samples = [{"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in make_samples()]
+    samples = [TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask) for s in make_samples()]
     engine, _ = _engine(mtp=True)
-    stats = engine.forward_backward(samples, "sft")
-    assert stats["mtp/n_d1"] == sum(int(s["loss_mask"][:CAP][2:].sum()) for s in samples)
+    stats = engine.forward_backward(samples, SFTLoss())
+    assert stats["mtp/n_d1"] == sum(int(s.loss_mask[:CAP][2:].sum()) for s in samples)
     # the same loss as an engine that never sees the cut tokens (hand-cut samples, no truncation)
     uncut_engine, _ = _engine(on_too_long="error", mtp=True)
-    expected = uncut_engine.forward_backward([_cut(s) for s in samples], "sft")
+    expected = uncut_engine.forward_backward([_cut(s) for s in samples], SFTLoss())
     for key in ("sft/nll", "mtp/loss_d1", "mtp/n_d1"):
         assert stats[key] == pytest.approx(expected[key], rel=1e-5), key
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from areal_npu.data.packing import PackingConfig
+from areal_npu.data.sample import TrainSample
 from areal_npu.memory_model import (
     ModelDims,
     ParallelLayout,
@@ -26,8 +27,10 @@ from areal_npu.memory_model import (
 )
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig, build_tiny_model, hf_config, published_config
+from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import init_distributed
-from areal_npu.train.engine import FSDPEngine, TrainEngineConfig
+from areal_npu.train.fsdp2 import FSDPEngine
+from areal_npu.train.losses import SFTLoss
 from areal_npu.train.optim import OptimConfig
 from tests.support.peak_memory import peak_memory
 
@@ -157,7 +160,7 @@ def test_64k_token_step_peak_is_bounded_by_the_estimate(checkpointing, max_ratio
     for _ in range(TOKENS // SEGMENT):
         mask = torch.ones(SEGMENT, dtype=torch.bool)
         mask[: SEGMENT // 4] = False  # a prompt without loss
-        samples.append({"input_ids": torch.randint(0, 256, (SEGMENT,), generator=g), "loss_mask": mask})
+        samples.append(TrainSample(input_ids=torch.randint(0, 256, (SEGMENT,), generator=g), loss_mask=mask))
     with peak_memory() as mem:
         lm, head, _ = build_tiny_model(STEP_MODEL)
         cfg = TrainEngineConfig(
@@ -167,7 +170,7 @@ def test_64k_token_step_peak_is_bounded_by_the_estimate(checkpointing, max_ratio
             optim=OptimConfig(lr=1e-4),
         )
         engine = FSDPEngine(lm, head, cfg, mtp_config=MTPConfig(enabled=True, train=True))
-        stats = engine.train_step(samples, "sft")
+        stats = engine.train_step(samples, SFTLoss())
     assert stats["packing/micro_batches"] == 1 and stats["train/n_tokens"] > 0.7 * TOKENS
     estimate = estimate_step_memory(
         ModelDims.from_hf_config(hf_config(STEP_MODEL)),

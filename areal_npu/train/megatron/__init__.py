@@ -4,9 +4,9 @@ Modules: :mod:`.runtime` (imports Megatron: MindSpeed's adaptor first on the NPU
 :mod:`areal_npu.compat.megatron` on the CPU), :mod:`.model` (``GPTModel`` from an HF Qwen3 config;
 Qwen3.5 refused off the NPU), :mod:`.attention` (the layer spec's core attention: our packed
 kernel, all-gather context parallelism), :mod:`.packing` (our micro-batches as ``PackedSeqParams``
-and zigzag shares), :mod:`.logprobs` (chunked log-probs on the vocab-sharded head),
-:mod:`.loss` (the engine's micro-batch losses, stats merging and collectives), :mod:`.convert` (HF <->
-Megatron weights, bucketed export), :mod:`.checkpoint`.
+and zigzag shares), :mod:`.logprobs` (chunked log-probs on the vocab-sharded head), :mod:`.convert` (HF <->
+Megatron weights, bucketed export), :mod:`.checkpoint`, :mod:`.config` (the ``train.megatron`` layout
+and what the engine refuses). Losses are the shared objects of :mod:`areal_npu.train.losses`.
 
 What ran where: everything here ran on the CPU over gloo (1 and 2 ranks: TP=2, CP=2, DP=2). The
 NPU path (MindSpeed, HCCL, ``npu_fusion_attention`` through the packed kernel) and CUDA are

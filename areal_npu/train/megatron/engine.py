@@ -1,10 +1,10 @@
 """The Megatron-Core train engine: packed THD micro-batches, TP / CP / DP, decoupled PPO (or SFT).
 
-Public operations mirror :class:`areal_npu.train.engine.FSDPEngine` (same sample dicts, same loss
-names, same stats keys, same export format), so both fit one train-engine interface:
-:meth:`compute_logprobs`, :meth:`train_step` (= :meth:`forward_backward` + :meth:`optimizer_step`),
-:meth:`full_state_dict` / :meth:`export_buckets` (HF names), and checkpoints through
-:mod:`areal_npu.train.megatron.checkpoint`.
+It implements :class:`areal_npu.train.protocol.TrainEngine` as :class:`areal_npu.train.fsdp2.FSDPEngine`
+does (same samples, same loss objects, same stats keys, same export format): :meth:`compute_logprobs`,
+:meth:`train_step` (= :meth:`forward_backward` + :meth:`optimizer_step`), :meth:`full_state_dict` /
+:meth:`export_buckets` (HF names), and checkpoints through :mod:`areal_npu.train.megatron.checkpoint`.
+Its config is the recipe's ``train`` section with ``backend: megatron`` (layout: ``train.megatron``).
 
 Layout: world = tp * cp * dp (pp = 1). Every rank calls every method; the ranks of one TP x CP
 group pass the *same* samples (their data-parallel rank's share), which is checked. Inside, each
@@ -16,7 +16,8 @@ and DP ranks; each CP rank's loss covers its tokens, so gradients are *summed* o
 group (TP reductions happen inside Megatron's layers), and the per-head q/k norms' partial
 gradients over TP.
 
-Not wired yet (each refused by :class:`MegatronEngineConfig` / the constructor with a sentence):
+Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config` / the
+constructor with a sentence):
 pipeline parallelism, sequence parallelism (local-spec norms refuse it; gloo has no
 reduce-scatter), recomputation, bf16 with fp32 master weights / Megatron's DistributedOptimizer
 (this engine steps a plain ``torch.optim.AdamW`` on its local shards), and the MTP head. For MTP
@@ -45,34 +46,28 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from areal_npu.algo.guard import NonFiniteError, nonfinite_guard
-from areal_npu.algo.ppo import PPOConfig
+from areal_npu.algo.guard import NonFiniteError
 from areal_npu.config import ConfigError
 from areal_npu.data.context_parallel import cp_gather
-from areal_npu.data.packed_layout import pack_per_token, pack_sequences, unpack_per_token
+from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
 from areal_npu.data.packing import packing_stats, plan_micro_batches
-from areal_npu.data.trajectory import truncate_sample
+from areal_npu.data.sample import TrainSample, truncate_sample
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.platform import current_platform
-from areal_npu.train.forward import shift_left
+from areal_npu.train.config import TrainEngineConfig
+from areal_npu.train.dist import all_reduce_flat, reduce_floats
+from areal_npu.train.forward import prediction_fields
+from areal_npu.train.losses import Loss
 from areal_npu.train.megatron import convert
-from areal_npu.train.megatron.config import MegatronEngineConfig
+from areal_npu.train.megatron.config import check_loss_layout, check_megatron_config
 from areal_npu.train.megatron.logprobs import vocab_parallel_logprobs_entropy
-from areal_npu.train.megatron.loss import (
-    all_reduce_flat,
-    merge_minibatch_stats,
-    merge_stats,
-    micro_batch_loss,
-    reduce_floats,
-)
 from areal_npu.train.megatron.model import build_gpt_model, decoder_hidden_states, gpt_shape
 from areal_npu.train.megatron.packing import MegatronMicroBatch, to_megatron
 from areal_npu.train.megatron.runtime import init_parallel_state
 from areal_npu.train.optim import build_optimizer
+from areal_npu.train.stats import merge_minibatch_stats, merge_stats
 
 __all__ = ["MegatronEngine"]
-
-IGNORE = -100
 
 
 class MegatronEngine:
@@ -83,28 +78,20 @@ class MegatronEngine:
         self,
         hf_config,
         hf_state: Mapping[str, torch.Tensor],
-        config: MegatronEngineConfig,
+        config: TrainEngineConfig,
         mtp_config: MTPConfig | None = None,
-        ppo_config: PPOConfig | None = None,
         pad_token_id: int = 0,
     ):
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed first (areal_npu.train.dist.init_distributed)")
         self.platform = current_platform()
-        self.config = config.validate(self.platform.device_type)
+        config.validate()
+        if config.backend != "megatron":
+            raise ValueError(f"the Megatron engine got a train config for backend {config.backend!r}")
+        check_megatron_config(config)
+        self.config = config
         self.mtp_config = mtp_config or MTPConfig(enabled=False)
-        if self.mtp_config.enabled:
-            raise ConfigError(
-                "mtp.enabled", "the Megatron engine does not train an MTP head yet; use train.backend=fsdp2"
-            )
-        self.ppo_config = (ppo_config or PPOConfig()).validate()
-        if config.cp_size > 1 and (
-            self.ppo_config.loss_agg != "token-mean" or self.ppo_config.behave_imp_weight_level != "token"
-        ):
-            # sequence-level terms need every token of a sequence on one rank; CP splits them
-            raise ConfigError(
-                "ppo.loss_agg", "with cp_size > 1 only token-mean and token-level weights are wired"
-            )
+        check_mtp(self.mtp_config)
         self.pad_token_id = pad_token_id
         self.device = self.platform.current_device()
         self.version = 0
@@ -112,7 +99,8 @@ class MegatronEngine:
         self.hf_config = hf_config
         self.shape = gpt_shape(hf_config)
 
-        init_parallel_state(config.tp_size, config.cp_size, config.pp_size)
+        layout = config.megatron
+        init_parallel_state(layout.tp_size, layout.cp_size, layout.pp_size)
         from megatron.core import parallel_state as ps
 
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -124,9 +112,9 @@ class MegatronEngine:
         self.tp_cp_group = ps.get_tensor_and_context_parallel_group()
 
         self.module = build_gpt_model(
-            hf_config, tp_size=config.tp_size, cp_size=config.cp_size, device=self.device
+            hf_config, tp_size=layout.tp_size, cp_size=layout.cp_size, device=self.device
         )
-        state = convert.hf_to_mcore(hf_state, self.shape, self.tp_rank, config.tp_size)
+        state = convert.hf_to_mcore(hf_state, self.shape, self.tp_rank, layout.tp_size)
         missing, unexpected = self.module.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -141,29 +129,28 @@ class MegatronEngine:
         for name, dim in convert.tp_partition_dims(self.shape).items():
             if not hasattr(named[name], "tensor_model_parallel"):
                 set_tensor_model_parallel_attributes(named[name], True, dim, 1)
-        self.vocab_start = self.tp_rank * (self.shape.vocab_size // config.tp_size)
+        self.vocab_start = self.tp_rank * (self.shape.vocab_size // layout.tp_size)
         params = [p for _, p in self.module.named_parameters()]
         self.optimizer, self.scheduler = build_optimizer([{"params": params}], config.optim)
 
     # ---- construction helpers ------------------------------------------------------------------
     @classmethod
-    def from_hf_model(cls, lm: torch.nn.Module, config: MegatronEngineConfig, **kwargs) -> MegatronEngine:
+    def from_hf_model(cls, lm: torch.nn.Module, config: TrainEngineConfig, **kwargs) -> MegatronEngine:
         """From a transformers causal LM (its config and full state dict)."""
         return cls(lm.config, lm.state_dict(), config, **kwargs)
 
     # ---- batching ------------------------------------------------------------------------------
-    def _fit_cap(self, samples: Sequence[dict]) -> list[dict]:
+    def _fit_cap(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
         if self.config.packing.on_too_long != "truncate":
             return list(samples)
         return [truncate_sample(s, self.config.packing.max_tokens_per_mb) for s in samples]
 
-    def _check_same_samples(self, samples: Sequence[dict]) -> None:
+    def _check_same_samples(self, samples: Sequence[TrainSample]) -> None:
         """The TP x CP ranks of one model replica must hold the same batch (cheap fingerprint)."""
         if dist.get_world_size(self.tp_cp_group) == 1:
             return
-        lengths = [int(s["input_ids"].shape[0]) for s in samples]
-        ids_sum = sum(int(s["input_ids"].sum()) for s in samples)
-        mine = [float(len(samples)), float(sum(lengths)), float(ids_sum)]
+        ids_sum = sum(int(s.input_ids.sum()) for s in samples)
+        mine = [float(len(samples)), float(sum(len(s) for s in samples)), float(ids_sum)]
         hi = reduce_floats(mine, dist.ReduceOp.MAX, self.tp_cp_group)
         lo = [-x for x in reduce_floats([-x for x in mine], dist.ReduceOp.MAX, self.tp_cp_group)]
         if hi != lo:
@@ -172,29 +159,25 @@ class MegatronEngine:
                 "give every rank of a TP x CP group its data-parallel rank's share"
             )
 
-    def _micro_batches(self, samples: Sequence[dict], fields: dict[str, object]):
+    def _micro_batches(self, samples: Sequence[TrainSample], loss: Loss | None):
         """(plan, micro-batches as this rank feeds them, packing stats)."""
-        lengths = [int(s["input_ids"].shape[0]) for s in samples]
+        lengths = [len(s) for s in samples]
         plan = plan_micro_batches(lengths, self.config.packing, group=self.dp_group)
-        cp = self.config.cp_size
+        cp = self.config.megatron.cp_size
         mbs = []
         pad_total = 0
         for indices in plan:
             seqs = [samples[i] for i in indices]
             packed = pack_sequences(
-                [s["input_ids"] for s in seqs],
+                [s.input_ids for s in seqs],
                 alignment=self.config.packing.alignment,
                 cp_size=cp,
                 pad_token_id=self.pad_token_id,
                 sample_indices=indices,
             )
             pad_total += packed.pad_tokens
-            per_token = {
-                "targets": pack_per_token([shift_left(s["input_ids"], IGNORE) for s in seqs], packed, IGNORE)
-            }
-            for name, pad in fields.items():
-                per_token[name] = pack_per_token([shift_left(s[name], pad) for s in seqs], packed, pad)
-            mbs.append(to_megatron(packed, per_token, cp, self.cp_rank, self.cp_group, self.device))
+            fields = prediction_fields(seqs, packed, loss)
+            mbs.append(to_megatron(packed, fields, cp, self.cp_rank, self.cp_group, self.device))
         stats = packing_stats(
             lengths, [p for p in plan if p], self.config.packing.max_tokens_per_mb, pad_total
         )
@@ -236,13 +219,13 @@ class MegatronEngine:
 
     # ---- public operations ---------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, samples: Sequence[dict]) -> list[torch.Tensor]:
+    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         """Token-aligned log-probs of every sample under the current weights (position 0 is 0);
         the same on every rank of a TP x CP group."""
         samples = self._fit_cap(samples)
         self._check_same_samples(samples)
         self.module.eval()
-        plan, mbs, _ = self._micro_batches(samples, {})
+        plan, mbs, _ = self._micro_batches(samples, None)
         out: list[torch.Tensor | None] = [None] * len(samples)
         for indices, mb in zip(plan, mbs):
             logp, _ = self._logprobs(mb)
@@ -252,7 +235,7 @@ class MegatronEngine:
         return out
 
     def train_step(
-        self, samples: Sequence[dict], loss: str = "ppo", step: int | None = None
+        self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
     ) -> dict[str, float]:
         """``ppo_minibatches`` optimizer steps over interleaved slices, one version bump (as FSDP2)."""
         n = self.config.ppo_minibatches
@@ -266,55 +249,34 @@ class MegatronEngine:
         return per[0] if n == 1 else merge_minibatch_stats(per, self.version)
 
     def forward_backward(
-        self, samples: Sequence[dict], loss: str = "ppo", step: int | None = None
+        self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
     ) -> dict[str, float]:
-        """Accumulate one step's gradients over packed micro-batches (sample fields and losses as
-        :meth:`areal_npu.train.engine.FSDPEngine.forward_backward`); returns global stats."""
+        """Accumulate one step's gradients over packed micro-batches (samples and losses as
+        :meth:`areal_npu.train.fsdp2.FSDPEngine.forward_backward`); returns global stats."""
+        check_loss_layout(loss, self.config.megatron.cp_size)  # before any work
         step = self.version if step is None else step
-        if loss not in ("ppo", "sft"):
-            raise ValueError(f"loss must be 'ppo' or 'sft', got {loss!r}")
         cap = self.config.packing.max_tokens_per_mb
-        truncated = sum(int(s["input_ids"].shape[0]) > cap for s in samples)
-        samples = [dict(s) for s in self._fit_cap(samples)]
+        truncated = sum(len(s) > cap for s in samples)
+        samples = loss.check(self._fit_cap(samples), step)
         self._check_same_samples(samples)
-        if loss == "ppo":
-            nonfinite_guard(
-                step,
-                per_sample={"advantage": torch.stack([s["advantage"] for s in samples])},
-                per_token={
-                    "behave_logp": torch.cat([s["behave_logp"] for s in samples]),
-                    "prox_logp": torch.cat([s["prox_logp"] for s in samples]),
-                },
-                token_mask=torch.cat([s["loss_mask"] for s in samples]),
-            )
-            for s in samples:
-                s["adv_tok"] = s["advantage"].expand_as(s["behave_logp"]).clone()
-            fields = {
-                "loss_mask": False,
-                "behave_logp": 0.0,
-                "prox_logp": 0.0,
-                "versions": -1,
-                "adv_tok": 0.0,
-            }
-        else:
-            fields = {"loss_mask": False}
-        plan, mbs, pack_stats = self._micro_batches(samples, fields)
+        plan, mbs, pack_stats = self._micro_batches(samples, loss)
 
         # global counts: over micro-batches and data-parallel ranks (TP/CP ranks hold copies)
-        local_tokens = float(sum(int(s["loss_mask"][1:].sum()) for s in samples))  # shifted: t predicts t+1
+        local_tokens = float(sum(int(s.loss_mask[1:].sum()) for s in samples))  # shifted: t predicts t+1
         n_tokens = reduce_floats([local_tokens], dist.ReduceOp.SUM, self.dp_group)[0]
         n_seqs = reduce_floats(
-            [float(sum(bool(s["loss_mask"][1:].any()) for s in samples))], dist.ReduceOp.SUM, self.dp_group
+            [float(sum(bool(s.loss_mask[1:].any()) for s in samples))], dist.ReduceOp.SUM, self.dp_group
         )[0]
-        denominator = n_tokens if self.ppo_config.loss_agg == "token-mean" or loss == "sft" else n_seqs
+        denominator = loss.denominator(n_tokens, n_seqs)
 
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         per_mb_stats = []
         for mb in mbs:
             logp, entropy = self._logprobs(mb)
-            main, stats = micro_batch_loss(
-                loss, logp, entropy, mb, self.ppo_config, denominator, self.version
+            cu_seqlens = mb.params.cu_seqlens_q if mb.cp_size == 1 else None
+            main, stats = loss(
+                logp, entropy, mb.fields, denominator=denominator, cu_seqlens=cu_seqlens, policy_version=self.version
             )
             main.backward()
             per_mb_stats.append((float(mb.fields["loss_mask"].sum()), stats))
@@ -397,7 +359,7 @@ class MegatronEngine:
 
     def export_buckets(self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")):
         """Weights for the rollout sync in size-bounded buckets, ``(kind, [(hf_name, tensor), ...])``,
-        as :meth:`areal_npu.train.engine.FSDPEngine.export_buckets` (``mtp``: no head, nothing).
+        as :meth:`areal_npu.train.fsdp2.FSDPEngine.export_buckets` (``mtp``: no head, nothing).
         Collective over the TP group."""
         unknown = sorted(set(kinds) - {"policy", "mtp", "vision"})
         if unknown:
@@ -419,3 +381,18 @@ class MegatronEngine:
         from areal_npu.train.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path)
+
+    def save_hf_checkpoint(self, out_dir, tokenizer=None):
+        """The weights as a Hugging Face checkpoint under HF names. Collective over TP; rank 0 writes."""
+        from areal_npu.train.megatron.checkpoint import write_hf_checkpoint
+
+        return write_hf_checkpoint(self, out_dir, tokenizer)
+
+
+def check_mtp(mtp_config: MTPConfig) -> None:
+    """The Megatron engine trains no MTP head yet (refused before any work, naming the key)."""
+    if mtp_config.enabled:
+        raise ConfigError(
+            "mtp.enabled", "the Megatron engine does not train an MTP head yet; set mtp.enabled=false or use "
+            "train.backend=fsdp2",
+        )  # fmt: skip

@@ -26,6 +26,7 @@ from areal_npu.train.megatron.runtime import import_megatron
 __all__ = [
     "GPTShape",
     "build_gpt_model",
+    "check_layout",
     "check_supported",
     "decoder_hidden_states",
     "gpt_shape",
@@ -112,6 +113,16 @@ def check_divisible(shape: GPTShape, tp_size: int) -> None:
     ):
         if n % tp_size:
             raise ValueError(f"{what}={n} is not divisible by tp_size={tp_size}")
+
+
+def check_layout(hf_config, tp_size: int, pp_size: int = 1) -> None:
+    """What a TP x PP layout needs of the model (:func:`check_divisible`; layers split evenly over
+    pipeline stages); ``ValueError`` naming the size otherwise. CP needs nothing of the model: the
+    packer pads every sequence to a multiple of ``2 * cp``."""
+    shape = gpt_shape(hf_config)
+    check_divisible(shape, tp_size)
+    if shape.num_layers % pp_size:
+        raise ValueError(f"num_hidden_layers={shape.num_layers} is not divisible by pp_size={pp_size}")
 
 
 def transformer_config(

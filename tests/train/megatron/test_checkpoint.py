@@ -9,9 +9,10 @@ pytestmark = pytest.mark.megatron
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.train.checkpoint import checkpoint_to_resume, latest_checkpoint  # noqa: E402
 from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.manifest import checkpoint_problems  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import make_samples, tiny_qwen3  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,11 +21,10 @@ def process_group():
 
 
 def _engine():
-    from areal_npu.train.megatron.config import MegatronEngineConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
     _, hf = tiny_qwen3()
-    cfg = MegatronEngineConfig(
+    cfg = megatron_config(
         packing=PackingConfig(max_tokens_per_mb=24),
         optim=OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=1, total_steps=5),
     )
@@ -34,8 +34,8 @@ def _engine():
 def _step(engine, seed):
     samples = make_samples(seed=seed)
     for s, lp in zip(samples, engine.compute_logprobs(samples)):
-        s["prox_logp"] = lp
-    return engine.train_step(samples, "ppo")
+        s.prox_logp = lp
+    return engine.train_step(samples, PPOLoss())
 
 
 def test_resume_continues_exactly_and_weights_load_in_transformers(tmp_path):

@@ -13,9 +13,11 @@ pytestmark = pytest.mark.megatron
 from areal_npu.algo.guard import NonFiniteError  # noqa: E402
 from areal_npu.config import ConfigError  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
+from areal_npu.data.sample import TrainSample  # noqa: E402
 from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.losses import PPOLoss, SFTLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import make_samples, reference_logprobs, tiny_qwen3  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, reference_logprobs, tiny_qwen3  # noqa: E402
 
 CAP = 24  # forces several micro-batches for make_samples()
 ADAM_EPS = 1e-3  # Adam's first step is ~lr*sign(g): a large eps keeps fp-noise gradients from flipping signs
@@ -27,10 +29,9 @@ def process_group():
 
 
 def megatron_engine(hf, lr=1e-2, clip=0.0, **kwargs):
-    from areal_npu.train.megatron.config import MegatronEngineConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
-    cfg = MegatronEngineConfig(
+    cfg = megatron_config(
         packing=PackingConfig(max_tokens_per_mb=CAP),
         optim=OptimConfig(lr=lr, grad_clip=clip, eps=ADAM_EPS),
         **kwargs,
@@ -39,7 +40,8 @@ def megatron_engine(hf, lr=1e-2, clip=0.0, **kwargs):
 
 
 def fsdp_engine(hf, lr=1e-2, clip=0.0):
-    from areal_npu.train.engine import FSDPEngine, TrainEngineConfig
+    from areal_npu.train.config import TrainEngineConfig
+    from areal_npu.train.fsdp2 import FSDPEngine
 
     cfg = TrainEngineConfig(
         packing=PackingConfig(max_tokens_per_mb=CAP), optim=OptimConfig(lr=lr, grad_clip=clip, eps=ADAM_EPS)
@@ -57,15 +59,15 @@ def fsdp_grads(engine):
 
 def naive_decoupled_loss(model, samples, eps=0.2):
     """Σ over loss tokens of w·max(−rA, −clip(r)A) / N in float64, unpacked, one sequence at a time."""
-    total, n = 0.0, sum(int(s["loss_mask"][1:].sum()) for s in samples)
+    total, n = 0.0, sum(int(s.loss_mask[1:].sum()) for s in samples)
     for s in samples:
-        logp = reference_logprobs(model, s["input_ids"])
+        logp = reference_logprobs(model, s.input_ids)
         for t in range(1, len(logp)):
-            if s["loss_mask"][t]:
+            if s.loss_mask[t]:
                 prox, behave, adv = (
-                    float(s["prox_logp"][t]),
-                    float(s["behave_logp"][t]),
-                    float(s["advantage"]),
+                    float(s.prox_logp[t]),
+                    float(s.behave_logp[t]),
+                    float(s.advantage),
                 )
                 r = torch.exp(logp[t] - prox)
                 total = total + math.exp(prox - behave) * torch.maximum(
@@ -83,12 +85,12 @@ def test_logprobs_loss_stats_and_grads_equal_the_fsdp2_engine():
     for s, lp, lp_fsdp in zip(samples, prox, fsdp.compute_logprobs(samples)):
         # fp32 forward vs a float64 unpacked forward: measured <= 6e-7
         torch.testing.assert_close(
-            lp.double(), reference_logprobs(reference, s["input_ids"]).detach(), rtol=1e-5, atol=1e-5
+            lp.double(), reference_logprobs(reference, s.input_ids).detach(), rtol=1e-5, atol=1e-5
         )
         torch.testing.assert_close(lp, lp_fsdp, rtol=1e-5, atol=1e-6)
-        s["prox_logp"] = lp
-    stats = mega.forward_backward(samples, "ppo")
-    want = fsdp.forward_backward(samples, "ppo")
+        s.prox_logp = lp
+    stats = mega.forward_backward(samples, PPOLoss())
+    want = fsdp.forward_backward(samples, PPOLoss())
     assert stats["packing/micro_batches"] >= 3  # the cap really split the batch
     assert set(stats) == set(want)  # same stats keys as the FSDP2 engine
     for key, value in want.items():
@@ -111,8 +113,8 @@ def test_optimizer_steps_with_clipping_equal_the_fsdp2_engine():
     for seed in (0, 1):
         samples = make_samples(seed=seed)
         for s, lp in zip(samples, mega.compute_logprobs(samples)):
-            s["prox_logp"] = lp
-        got, want = mega.train_step(samples, "ppo"), fsdp.train_step(samples, "ppo")
+            s.prox_logp = lp
+        got, want = mega.train_step(samples, PPOLoss()), fsdp.train_step(samples, PPOLoss())
         assert got["train/grad_norm"] > 0.05  # clipping was active
         for key in ("train/grad_norm", "ppo/loss", "train/lr", "train/version"):
             assert got[key] == pytest.approx(want[key], rel=1e-5), key
@@ -125,40 +127,38 @@ def test_optimizer_steps_with_clipping_equal_the_fsdp2_engine():
 def test_sft_learns_and_nonfinite_input_applies_nothing():
     _, hf = tiny_qwen3()
     mega = megatron_engine(hf, lr=3e-3)
-    samples = [{"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in make_samples()]
-    first = mega.train_step(samples, "sft")
+    samples = [TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask) for s in make_samples()]
+    first = mega.train_step(samples, SFTLoss())
     for _ in range(5):
-        last = mega.train_step(samples, "sft")
+        last = mega.train_step(samples, SFTLoss())
     assert last["sft/nll"] < first["sft/nll"] - 0.1 and mega.version == 6
     ppo = make_samples()
     for s, lp in zip(ppo, mega.compute_logprobs(ppo)):
-        s["prox_logp"] = lp
-    ppo[2]["behave_logp"][-1] = float("nan")
+        s.prox_logp = lp
+    ppo[2].behave_logp[-1] = float("nan")
     before = {n: t.clone() for n, t in mega.full_state_dict()}
     with pytest.raises(NonFiniteError, match="behave_logp"):
-        mega.train_step(ppo, "ppo", step=7)
+        mega.train_step(ppo, PPOLoss(), step=7)
     after = dict(mega.full_state_dict())
     assert all(torch.equal(before[n], after[n]) for n in before) and mega.version == 6
 
 
 def test_options_it_cannot_honour_are_refused():
     from areal_npu.model.mtp import MTPConfig
-    from areal_npu.train.megatron.config import MegatronEngineConfig
-
-    with pytest.raises(ConfigError, match="packing.tp_size"):
-        MegatronEngineConfig(tp_size=2).validate()
-    for kwargs, key in (
-        (dict(sequence_parallel=True), "sequence_parallel"),
-        (dict(gradient_checkpointing=True), "gradient_checkpointing"),
-        (dict(dtype="bfloat16"), "dtype"),
-        (dict(pp_size=2), "pp_size"),
-    ):
-        with pytest.raises(ConfigError, match=key):
-            MegatronEngineConfig(**kwargs).validate("cpu")
+    from areal_npu.train.config import TrainEngineConfig
+    from areal_npu.train.megatron.config import MegatronLayoutConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
     config, hf = tiny_qwen3()
+    with pytest.raises(ConfigError, match="packing.tp_size"):
+        megatron_config(2, packing=PackingConfig(tp_size=4)).validate()
+    for kwargs, key in (
+        (dict(megatron=MegatronLayoutConfig(sequence_parallel=True)), "megatron.sequence_parallel"),
+        (dict(gradient_checkpointing=True), "gradient_checkpointing"),
+        (dict(dtype="bfloat16"), "dtype"),
+        (dict(megatron=MegatronLayoutConfig(pp_size=2)), "megatron.pp_size"),
+    ):
+        with pytest.raises(ConfigError, match=key):
+            MegatronEngine(config, hf.state_dict(), TrainEngineConfig(backend="megatron", **kwargs))
     with pytest.raises(ConfigError, match="mtp.enabled"):
-        MegatronEngine(
-            config, hf.state_dict(), MegatronEngineConfig(), mtp_config=MTPConfig(enabled=True, train=True)
-        )
+        MegatronEngine(config, hf.state_dict(), megatron_config(), mtp_config=MTPConfig(enabled=True, train=True))

@@ -8,9 +8,11 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
 from areal_npu.data.packing import PackingConfig  # noqa: E402
+from areal_npu.data.sample import TrainSample  # noqa: E402
 from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.losses import SFTLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import make_samples, reference_logprobs, tiny_qwen3  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, reference_logprobs, tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,15 +41,14 @@ def test_convert_round_trips_every_tp_split():
 def test_export_buckets_load_into_transformers_with_the_same_logits():
     from transformers import Qwen3ForCausalLM
 
-    from areal_npu.train.megatron.config import MegatronEngineConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
     config, hf = tiny_qwen3()
     engine = MegatronEngine.from_hf_model(
-        hf, MegatronEngineConfig(packing=PackingConfig(max_tokens_per_mb=64), optim=OptimConfig(lr=1e-2))
+        hf, megatron_config(packing=PackingConfig(max_tokens_per_mb=64), optim=OptimConfig(lr=1e-2))
     )
-    samples = [{"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in make_samples()]
-    engine.train_step(samples, "sft")  # exported weights differ from the ones loaded
+    samples = [TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask) for s in make_samples()]
+    engine.train_step(samples, SFTLoss())  # exported weights differ from the ones loaded
     limit = 20_000
     buckets = list(engine.export_buckets(bucket_bytes=limit))
     names = [n for _, b in buckets for n, _ in b]
@@ -60,5 +61,5 @@ def test_export_buckets_load_into_transformers_with_the_same_logits():
     loaded.load_state_dict(dict(kv for _, b in buckets for kv in b), strict=True)
     assert not torch.equal(loaded.model.embed_tokens.weight, hf.model.embed_tokens.weight)
     for s, lp in zip(samples, engine.compute_logprobs(samples)):
-        want = reference_logprobs(loaded.double(), s["input_ids"]).detach()
+        want = reference_logprobs(loaded.double(), s.input_ids).detach()
         torch.testing.assert_close(lp.double(), want, rtol=1e-5, atol=1e-5)

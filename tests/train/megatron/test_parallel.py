@@ -17,22 +17,22 @@ pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import make_samples, tiny_qwen3  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
 
 CAP = 24
 ADAM_EPS = 1e-3
 
 
 def _engine(tp, cp):
-    from areal_npu.train.megatron.config import MegatronEngineConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
     _, hf = tiny_qwen3()
-    cfg = MegatronEngineConfig(
-        tp_size=tp,
-        cp_size=cp,
-        packing=PackingConfig(max_tokens_per_mb=CAP, tp_size=tp, cp_size=cp),
+    cfg = megatron_config(
+        tp,
+        cp,
+        packing=PackingConfig(max_tokens_per_mb=CAP),
         optim=OptimConfig(lr=1e-2, grad_clip=0.05, eps=ADAM_EPS),
     )
     return MegatronEngine.from_hf_model(hf, cfg)
@@ -48,8 +48,8 @@ def _full_logits(engine, seqs):
     from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
     from areal_npu.train.megatron.packing import to_megatron
 
-    cfg = engine.config
-    batch = pack_sequences(seqs, alignment=cfg.packing.alignment, cp_size=cfg.cp_size)
+    cfg = engine.config.megatron
+    batch = pack_sequences(seqs, alignment=engine.config.packing.alignment, cp_size=cfg.cp_size)
     mb = to_megatron(batch, {}, cfg.cp_size, engine.cp_rank, engine.cp_group)
     engine.module.eval()
     local = engine.module(mb.input_ids[None], mb.position_ids[None], None, packed_seq_params=mb.params)[0]
@@ -66,12 +66,12 @@ def _full_logits(engine, seqs):
 
 def _step(engine, samples):
     """What both layouts must agree on: logits, log-probs, loss, HF-named grads, weights after a step."""
-    seqs = [s["input_ids"] for s in make_samples(3, seed=5)]
+    seqs = [s.input_ids for s in make_samples(3, seed=5)]
     logits = _full_logits(engine, seqs)
     prox = engine.compute_logprobs(samples)
     for s, lp in zip(samples, prox):
-        s["prox_logp"] = lp
-    stats = engine.forward_backward(samples, "ppo")
+        s.prox_logp = lp
+    stats = engine.forward_backward(samples, PPOLoss())
     grads = engine.hf_grads()
     stats.update(engine.optimizer_step())
     return {

@@ -1,10 +1,11 @@
-"""The FSDP2 train engine: packed micro-batches, decoupled PPO (or SFT) + MTP loss, bucketed export.
+"""The FSDP2 train engine: packed micro-batches, a loss object (decoupled PPO or SFT) + MTP loss,
+bucketed export. It implements :class:`areal_npu.train.protocol.TrainEngine`.
 
-Public operations: :meth:`FSDPEngine.compute_logprobs` (the proximal recompute) and
-:meth:`FSDPEngine.train_step`. Inputs are token-aligned samples (:mod:`areal_npu.data.trajectory`);
-inside, every sequence is shifted to prediction alignment (position t predicts token t+1) *before*
-packing, so no target ever crosses a packed segment. Losses are normalised by global counts summed
-over micro-batches and data-parallel ranks, so micro-batching and sharding never change the step.
+Inputs are token-aligned samples (:class:`areal_npu.data.sample.TrainSample`); inside, every
+sequence is shifted to prediction alignment (position t predicts token t+1) *before* packing, so no
+target ever crosses a packed segment. Losses are normalised by global counts summed over
+micro-batches and data-parallel ranks, so micro-batching and sharding never change the step.
+Checkpoints: :mod:`areal_npu.train.fsdp2_checkpoint`.
 """
 
 from __future__ import annotations
@@ -12,66 +13,30 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_npu.algo.guard import NonFiniteError, nonfinite_guard
-from areal_npu.algo.ppo import PPOConfig, decoupled_ppo_loss
-from areal_npu.config import ConfigError
+from areal_npu.algo.guard import NonFiniteError
 from areal_npu.data.packed_layout import pack_per_token, pack_sequences, unpack_per_token
-from areal_npu.data.packing import PackingConfig, packing_stats, plan_micro_batches
-from areal_npu.data.trajectory import truncate_sample
+from areal_npu.data.packing import packing_stats, plan_micro_batches
+from areal_npu.data.sample import TrainSample, truncate_sample
 from areal_npu.model.layout import TEXT, CheckpointLayout
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.mtp_params import apply_mtp_mode, mtp_mode
 from areal_npu.model.mtp_targets import build_mtp_targets
 from areal_npu.model.packed import enable_packed_attention
 from areal_npu.platform import current_platform
+from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import all_reduce_sum
-from areal_npu.train.forward import PolicyWithMTP, merge_stats, shift_left
-from areal_npu.train.optim import OptimConfig, build_optimizer
+from areal_npu.train.forward import IGNORE, MicroBatch, PolicyWithMTP, prediction_fields
+from areal_npu.train.losses import Loss
+from areal_npu.train.optim import build_optimizer
+from areal_npu.train.stats import merge_minibatch_stats, merge_stats
 
-IGNORE = -100
-
-
-@dataclass
-class TrainEngineConfig:
-    # Compute dtype: float32 | bfloat16. Parameters, gradients and optimizer states are float32
-    # either way (fp32 master weights); bfloat16 is the forward/backward copy FSDP2 casts at unshard.
-    dtype: str = "float32"
-    logprob_chunk_size: int = 2048  # tokens per chunk of the [T, V] log-prob computation
-    temperature: float = 1.0  # must match the behaviour log-probs (vLLM raw log-probs: 1.0)
-    gradient_checkpointing: bool = False  # recompute each decoder layer (policy and MTP head) in backward
-    ppo_minibatches: int = 1  # optimizer steps per train step (PPO mini-batches); the version bumps once
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    packing: PackingConfig = field(default_factory=lambda: PackingConfig(max_tokens_per_mb=8192))
-
-    def pre_validate(self) -> None:
-        """Before ``packing`` validates, so a tp/cp size is refused for what it is rather than as
-        a cap that is not a multiple of its alignment."""
-        # The packing library lays out TP/CP-aligned micro-batches, but this engine shards with
-        # FSDP2 only: a tp/cp size here would pad the batch and parallelise nothing.
-        for key in ("tp_size", "cp_size"):
-            if getattr(self.packing, key) != 1:
-                raise ConfigError(
-                    f"packing.{key}",
-                    f"must be 1: the FSDP2 engine has no {key[:2]} parallelism "
-                    f"(got {getattr(self.packing, key)}; tensor/context parallelism needs a Megatron backend)",
-                )
-
-    def validate(self) -> None:
-        self.pre_validate()  # also when the engine checks its config directly
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.logprob_chunk_size < 1:
-            raise ValueError("logprob_chunk_size must be >= 1")
-        if not self.temperature > 0:
-            raise ValueError("temperature must be > 0")
-        if self.ppo_minibatches < 1:
-            raise ValueError("ppo_minibatches must be >= 1")
+__all__ = ["FSDPEngine", "enable_activation_checkpointing"]
 
 
 def enable_activation_checkpointing(lm: nn.Module, mtp: nn.Module | None) -> None:
@@ -118,13 +83,14 @@ class FSDPEngine:
         mtp: nn.Module | None,
         config: TrainEngineConfig,
         mtp_config: MTPConfig | None = None,
-        ppo_config: PPOConfig | None = None,
         pad_token_id: int = 0,
         layout: CheckpointLayout | None = None,
     ):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         config.validate()
+        if config.backend != "fsdp2":
+            raise ValueError(f"the FSDP2 engine got a train config for backend {config.backend!r}")
         if not hasattr(getattr(lm, "model", None), "layers"):
             raise ValueError(
                 f"{type(lm).__name__} is not a text causal LM (no .model.layers): load a published "
@@ -134,8 +100,6 @@ class FSDPEngine:
         self.config = config
         self.mtp_config = mtp_config or MTPConfig(enabled=mtp is not None, train=mtp is not None)
         self.mtp_config.validate()
-        self.ppo_config = ppo_config or PPOConfig()
-        self.ppo_config.validate()
         self.pad_token_id = pad_token_id
         self.platform = current_platform()
         self.device = self.platform.current_device()
@@ -177,7 +141,7 @@ class FSDPEngine:
         )
 
     # ---- batching -------------------------------------------------------------------------------
-    def _fit_cap(self, samples: Sequence[dict]) -> list[dict]:
+    def _fit_cap(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
         """``on_too_long="truncate"``: every sample keeps its first ``max_tokens_per_mb`` tokens
         (all per-token fields alike), so planner, packed layout, loss and MTP labels see the same
         tokens. ``"error"``: unchanged; the planner refuses a sequence over the cap."""
@@ -185,46 +149,35 @@ class FSDPEngine:
             return list(samples)
         return [truncate_sample(s, self.config.packing.max_tokens_per_mb) for s in samples]
 
-    def _micro_batches(self, samples: Sequence[dict], fields: dict[str, object]) -> tuple[list, list, dict]:
-        """(plan, packed micro-batches, packing stats). ``fields``: prediction-aligned extras + pad."""
-        lengths = [int(s["input_ids"].shape[0]) for s in samples]
+    def _micro_batches(self, samples: Sequence[TrainSample], loss: Loss | None) -> tuple[list, list, dict]:
+        """(plan, packed micro-batches on the device, packing stats); the fields of ``loss``
+        (none: the targets only) packed prediction-aligned."""
+        lengths = [len(s) for s in samples]
         plan = plan_micro_batches(lengths, self.config.packing, group=None)
         mbs = []
         pad_total = 0
         for indices in plan:
             seqs = [samples[i] for i in indices]
             packed = pack_sequences(
-                [s["input_ids"] for s in seqs],
+                [s.input_ids for s in seqs],
                 alignment=self.config.packing.alignment,
                 pad_token_id=self.pad_token_id,
                 sample_indices=indices,
             )
             pad_total += packed.pad_tokens
-            mb = {
-                "packed": packed,
-                "input_ids": packed.input_ids.to(self.device),
-                "position_ids": packed.position_ids.to(self.device),
-                "cu_seqlens": packed.cu_seqlens.to(self.device),
-                "max_seqlen": packed.max_seqlen,
-                "targets": pack_per_token([shift_left(s["input_ids"], IGNORE) for s in seqs], packed, IGNORE),
-            }
-            for name, pad in fields.items():
-                mb[name] = pack_per_token([shift_left(s[name], pad) for s in seqs], packed, pad)
-            for key, value in list(mb.items()):
-                if isinstance(value, torch.Tensor):
-                    mb[key] = value.to(self.device)
-            mbs.append(mb)
+            mbs.append(MicroBatch.on(packed, prediction_fields(seqs, packed, loss), self.device))
         stats = packing_stats(
             lengths, [p for p in plan if p], self.config.packing.max_tokens_per_mb, pad_total
         )
         return plan, mbs, stats
 
-    def _mtp_args(self, mb: dict, counts) -> dict | None:
+    def _mtp_args(self, mb: MicroBatch, token_masks: list[torch.Tensor]) -> dict | None:
+        """The MTP head's targets for ``mb``; ``token_masks``: its samples' token-aligned loss masks."""
         if self.mtp is None:
             return None
-        packed = mb["packed"]
+        packed = mb.packed
         # token-aligned loss mask over prompt + response ids, as the policy's (packed without shift)
-        mask = pack_per_token([s.to(torch.bool) for s in mb["_token_masks"]], packed, False)
+        mask = pack_per_token([s.to(torch.bool) for s in token_masks], packed, False)
         targets = build_mtp_targets(
             packed.input_ids,
             self.mtp_config.num_depths,
@@ -235,31 +188,26 @@ class FSDPEngine:
             IGNORE,
         )
         targets.embed_ids, targets.labels = targets.embed_ids.to(self.device), targets.labels.to(self.device)
-        return {
-            "targets": targets,
-            "loss_scale": self.mtp_config.loss_scale,
-            "counts": counts,
-            "local": targets,
-        }
+        return {"targets": targets, "loss_scale": self.mtp_config.loss_scale, "counts": None}
 
     # ---- public operations ----------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, samples: Sequence[dict]) -> list[torch.Tensor]:
+    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         """Token-aligned log-probs of every sample under the current weights (position 0 is 0).
 
         With ``on_too_long="truncate"`` a sample over the cap gets log-probs for its first
         ``max_tokens_per_mb`` tokens only: the tokens the train step trains on."""
         samples = self._fit_cap(samples)
-        plan, mbs, _ = self._micro_batches(samples, {})
+        plan, mbs, _ = self._micro_batches(samples, None)
         out: list[torch.Tensor | None] = [None] * len(samples)
         for indices, mb in zip(plan, mbs):
             logp, _, _, _ = self.module(mb, self.config.logprob_chunk_size, self.config.temperature, None)
-            for i, pred in zip(indices, unpack_per_token(logp.float().cpu(), mb["packed"])):
+            for i, pred in zip(indices, unpack_per_token(logp.float().cpu(), mb.packed)):
                 out[i] = torch.cat([pred.new_zeros(1), pred[:-1]])  # prediction -> token alignment
         return out
 
     def train_step(
-        self, samples: Sequence[dict], loss: str = "ppo", step: int | None = None
+        self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
     ) -> dict[str, float]:
         """One training step on this rank's ``samples``: ``ppo_minibatches`` optimizer steps over
         interleaved slices (each normalised by its own global counts), one weight-version bump.
@@ -272,72 +220,33 @@ class FSDPEngine:
             stats = self.forward_backward(samples[i::n], loss, step)
             stats.update(self.optimizer_step(step, bump_version=i == n - 1))
             per.append(stats)
-        if n == 1:
-            return per[0]
-        merged = {}
-        for key in per[0]:
-            values = [p[key] for p in per if key in p]
-            if key.endswith("/max"):
-                merged[key] = max(values)
-            elif key.endswith("/min"):
-                merged[key] = min(values)
-            elif key == "train/n_tokens":
-                merged[key] = sum(values)
-            else:
-                merged[key] = sum(values) / len(values)
-        merged["train/version"] = float(self.version)
-        return merged
+        return per[0] if n == 1 else merge_minibatch_stats(per, self.version)
 
     def forward_backward(
-        self, samples: Sequence[dict], loss: str = "ppo", step: int | None = None
+        self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
     ) -> dict[str, float]:
         """Accumulate the gradients of one step over packed micro-batches; returns global stats.
 
-        ``loss="ppo"``: samples carry ``loss_mask``, ``behave_logp``, ``prox_logp`` (from
-        :meth:`compute_logprobs`), ``versions`` and a scalar ``advantage``. ``loss="sft"``: only
-        ``input_ids`` and ``loss_mask``; the loss is the token-mean negative log-likelihood.
-        Either way the MTP auxiliary loss is added when the head trains.
+        ``loss`` (:class:`areal_npu.train.losses.PPOLoss`, :class:`~areal_npu.train.losses.SFTLoss`)
+        says which sample fields it reads and computes each micro-batch's loss; the MTP auxiliary
+        loss is added when the head trains.
         """
         step = self.version if step is None else step
-        if loss not in ("ppo", "sft"):
-            raise ValueError(f"loss must be 'ppo' or 'sft', got {loss!r}")
         cap = self.config.packing.max_tokens_per_mb
-        truncated = sum(int(s["input_ids"].shape[0]) > cap for s in samples)  # local, like packing/*
-        samples = [dict(s) for s in self._fit_cap(samples)]
-        if loss == "ppo":
-            nonfinite_guard(
-                step,
-                per_sample={"advantage": torch.stack([s["advantage"] for s in samples])},
-                per_token={
-                    "behave_logp": torch.cat([s["behave_logp"] for s in samples]),
-                    "prox_logp": torch.cat([s["prox_logp"] for s in samples]),
-                },
-                token_mask=torch.cat([s["loss_mask"] for s in samples]),
-            )
-            for s in samples:
-                s["adv_tok"] = s["advantage"].expand_as(s["behave_logp"]).clone()
-            fields = {
-                "loss_mask": False,
-                "behave_logp": 0.0,
-                "prox_logp": 0.0,
-                "versions": -1,
-                "adv_tok": 0.0,
-            }
-        else:
-            fields = {"loss_mask": False}
-        plan, mbs, pack_stats = self._micro_batches(samples, fields)
-        for indices, mb in zip(plan, mbs):
-            mb["_token_masks"] = [samples[i]["loss_mask"] for i in indices]
+        truncated = sum(len(s) > cap for s in samples)  # local, like packing/*
+        samples = loss.check(self._fit_cap(samples), step)
+        plan, mbs, pack_stats = self._micro_batches(samples, loss)
 
-        n_tokens = all_reduce_sum([float(sum(int(mb["loss_mask"].sum()) for mb in mbs))])[0]
-        n_seqs = all_reduce_sum([float(sum(bool(s["loss_mask"][1:].any()) for s in samples))])[0]
-        denominator = n_tokens if self.ppo_config.loss_agg == "token-mean" or loss == "sft" else n_seqs
-        mtp_counts = None
+        n_tokens = all_reduce_sum([float(sum(int(mb.fields["loss_mask"].sum()) for mb in mbs))])[0]
+        n_seqs = all_reduce_sum([float(sum(bool(s.loss_mask[1:].any()) for s in samples))])[0]
+        denominator = loss.denominator(n_tokens, n_seqs)
         mtp_args_per_mb = [None] * len(mbs)
         if self.mtp is not None and mtp_mode(self.mtp_config) in ("joint", "mtp_only"):
-            mtp_args_per_mb = [self._mtp_args(mb, None) for mb in mbs]
+            mtp_args_per_mb = [
+                self._mtp_args(mb, [samples[i].loss_mask for i in indices]) for indices, mb in zip(plan, mbs)
+            ]
             local = [
-                sum(a["local"].valid_counts()[d] for a in mtp_args_per_mb)
+                sum(a["targets"].valid_counts()[d] for a in mtp_args_per_mb)
                 for d in range(self.mtp_config.num_depths)
             ]
             mtp_counts = [int(c) for c in all_reduce_sum([float(c) for c in local])]
@@ -354,34 +263,14 @@ class FSDPEngine:
             logp, entropy, aux, aux_stats = self.module(
                 mb, self.config.logprob_chunk_size, self.config.temperature, mtp_args_per_mb[i]
             )
-            if loss == "ppo":
-                main, stats = decoupled_ppo_loss(
-                    logp,
-                    mb["adv_tok"],
-                    mb["loss_mask"],
-                    logp_behave=mb["behave_logp"],
-                    logp_prox=mb["prox_logp"],
-                    config=self.ppo_config,
-                    global_denominator=denominator,
-                    cu_seqlens=mb["cu_seqlens"],
-                    entropy=entropy.detach(),
-                    versions=mb["versions"],
-                    policy_version=self.version,
-                )
-                stats = {k: float(v) for k, v in stats.items()}
-            else:
-                mask = mb["loss_mask"]
-                main = -(torch.where(mask, logp, torch.zeros_like(logp))).sum() / max(denominator, 1.0)
-                n = max(int(mask.sum()), 1)
-                stats = {
-                    "sft/nll": float(-(logp.detach() * mask).sum() / n),
-                    "sft/entropy": float((entropy.detach() * mask).sum() / n),
-                }
+            main, stats = loss(
+                logp, entropy, mb.fields, denominator=denominator, cu_seqlens=mb.cu_seqlens, policy_version=self.version
+            )
             total = (main if policy_trains else main.detach() * 0) + (aux if aux is not None else 0.0)
             # FSDP averages gradients over ranks; the loss is already a global mean, so undo that.
             (total * world).backward()
             stats.update(aux_stats)
-            per_mb_stats.append((float(mb["loss_mask"].sum()), stats))
+            per_mb_stats.append((float(mb.fields["loss_mask"].sum()), stats))
         self.module.set_requires_gradient_sync(True)
         stats = merge_stats(per_mb_stats)
         stats.update(pack_stats)
@@ -473,3 +362,24 @@ class FSDPEngine:
             current = kind
         if bucket:
             yield current, bucket
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(
+        self, root: str | Path, extra: dict | None = None, tokenizer=None, keep_last: int = 2
+    ) -> Path:
+        """``<root>/step_<version>``, atomic (:mod:`areal_npu.train.fsdp2_checkpoint`). Collective."""
+        from areal_npu.train.fsdp2_checkpoint import save_checkpoint
+
+        return save_checkpoint(self, root, extra, tokenizer, keep_last)
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Restore a checkpoint of :meth:`save_checkpoint`; returns the caller's ``extra``. Collective."""
+        from areal_npu.train.fsdp2_checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)
+
+    def save_hf_checkpoint(self, out_dir: str | Path, tokenizer=None) -> Path:
+        """The weights as a Hugging Face checkpoint (with ``mtp.*``) in the model's layout. Collective."""
+        from areal_npu.train.fsdp2_checkpoint import write_hf_checkpoint
+
+        return write_hf_checkpoint(self, out_dir, tokenizer)

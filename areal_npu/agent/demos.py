@@ -1,0 +1,205 @@
+"""Scripted demonstrations of the shell agent on the embedded repo tasks: the warm start's data.
+
+The task generator knows each repository's planted bug (``task.meta["fix"]``: the broken module's
+correct source), so a demonstration is written from it, the way a careful engineer would work::
+
+    look     "The issue is in toolkit/seq.py; read it."        cat toolkit/seq.py  (or grep -n -A8 'def f')
+    fix      "The slice is one short; fix it."                  sed -i 's/items\\[i : i + size - 1\\]/.../' ...
+    test     "Run the visible tests."                           python -m unittest discover -s tests
+    submit   "The fix is done; submit it."                      echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT
+
+(with fewer turns the test turn goes first, then the look). A demonstration is *recorded* by running
+the real :class:`~areal_npu.agent.shell_agent.ShellAgent` episode with :class:`ScriptedClient`, which
+answers each generation request with the next written turn plus the end-of-turn token, as an
+engine stopping on it would. So the prompt, the chat framing, the observations (the commands really
+run in the jailed repository copy, :class:`~areal_npu.agent.environments.RepoEnv`) and the loss mask
+(1 on the assistant's tokens, 0 on prompt and observations) are those of a rollout by construction.
+Every recorded episode must submit (or use its whole turn budget), get reward 1 from the hidden tests
+and leave the module byte-equal to the reference fix; anything else is a bug here (:class:`DemoError`).
+
+Only tasks whose ``meta`` carries the fix (the embedded ones, :mod:`areal_npu.agent.repo_tasks`) have
+demonstrations; a JSONL task set has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import random
+import re
+from dataclasses import replace
+
+from areal_npu.agent import actions
+from areal_npu.agent.environments import RepoTask
+from areal_npu.config import ConfigError
+from areal_npu.data.sample import TrainSample
+from areal_npu.data.trajectory import Trajectory, training_sample
+from areal_npu.rollout.client import GenerationResult, GenerationSample
+
+TEST_COMMAND = "python -m unittest discover -s tests"
+SUBMIT_COMMAND = f"echo {actions.SUBMIT_MARKER}"
+
+_LOOK = ("The issue is in {path}; read it first.", "Let me look at {path}.", "First, read {path}.")
+_GREP = ("Let me find {function} in {path}.", "Show {function} with line numbers.")
+_FIX = ("Found the bug; fix it.", "This line is wrong; fix it.", "Fix the buggy line.")
+_TEST = ("Run the visible tests.", "Check that the tests still pass.")
+_SUBMIT = ("The fix is done; submit it.", "Done. Submit.", "Fixed; submitting.")
+
+
+class DemoError(AssertionError):
+    """A demonstration that does not solve its task: a bug in this module or in the task generator."""
+
+
+def has_demo(task) -> bool:
+    return isinstance(task, RepoTask) and isinstance(task.meta.get("fix"), dict) and len(task.meta["fix"]) == 1
+
+
+def _bre(text: str) -> str:
+    """``text`` as a literal sed basic regular expression (``/`` delimiter)."""
+    return re.sub(r"([\\/.*\[\]^$])", r"\\\1", text)
+
+
+def _sed_replacement(text: str) -> str:
+    return re.sub(r"([\\/&])", r"\\\1", text)
+
+
+def _fragment(bad_line: str, good_line: str, source: str) -> tuple[str, str, bool]:
+    """The smallest whole-word span of ``bad_line`` that differs from ``good_line`` and occurs once
+    in ``source``, what replaces it, and whether it is unique: the common prefix and suffix of the
+    two lines stay out (cut back to whitespace), then whole words are added, left and right in turn,
+    until the span occurs once in ``source`` or is the whole line (then it is not unique)."""
+    p = 0
+    while p < min(len(bad_line), len(good_line)) and bad_line[p] == good_line[p]:
+        p += 1
+    s = 0
+    while s < min(len(bad_line), len(good_line)) - p and bad_line[-1 - s] == good_line[-1 - s]:
+        s += 1
+    indent = len(bad_line) - len(bad_line.lstrip())
+    start = max(bad_line.rfind(" ", 0, p) + 1, indent)
+    end = bad_line.find(" ", len(bad_line) - s)  # the suffix is common: the same offset in both
+    end = len(bad_line) if end < 0 else end
+    left = True
+    while source.count(bad_line[start:end]) != 1 and (start > indent or end < len(bad_line)):
+        if (left and start > indent) or end == len(bad_line):
+            start = max(bad_line.rfind(" ", indent, start - 1) + 1, indent)
+        else:
+            nxt = bad_line.find(" ", end + 1)
+            end = len(bad_line) if nxt < 0 else nxt
+        left = not left
+    bad = bad_line[start:end]
+    good = good_line[start : len(good_line) - (len(bad_line) - end)]
+    return bad, good, source.count(bad) == 1
+
+
+def fix_command(task: RepoTask) -> str:
+    """One ``sed -i`` that turns the broken module into the reference fix (one line changed or one
+    line restored, as in every embedded bug family); a line number addresses it only where its
+    text is not unique in the file."""
+    ((path, fixed),) = task.meta["fix"].items()
+    broken = task.snapshot[path]
+    old, new = broken.splitlines(), fixed.splitlines()
+    ops = [op for op in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes() if op[0] != "equal"]
+    if len(ops) != 1:
+        raise DemoError(f"task {task.task_id}: the fix changes {len(ops)} places; one is expected")
+    tag, i1, i2, j1, j2 = ops[0]
+    if tag == "replace" and i2 - i1 == 1 and j2 - j1 == 1:
+        bad, good, unique = _fragment(old[i1], new[j1], broken)
+        script = ("" if unique else str(i1 + 1)) + f"s/{_bre(bad)}/{_sed_replacement(good)}/"
+    elif tag == "insert" and j2 - j1 == 1 and i1 > 0:
+        anchor = old[i1 - 1].strip()
+        address = f"/{_bre(anchor)}/" if sum(anchor in line for line in old) == 1 else str(i1)
+        script = f"{address}a\\{new[j1].replace(chr(92), chr(92) * 2)}"
+    else:
+        raise DemoError(f"task {task.task_id}: unexpected fix shape {ops[0]}")
+    if "'" in script:
+        raise DemoError(f"task {task.task_id}: the sed script {script!r} has a single quote")
+    return f"sed -i '{script}' {path}"
+
+
+def _turn(reason: str, command: str) -> str:
+    return f"{reason}\n```bash\n{command}\n```"
+
+
+def demo_turns(task: RepoTask, max_turns: int, seed: int = 0) -> list[str]:
+    """The assistant turns of ``task``'s demonstration, at most ``max_turns`` of them."""
+    rng = random.Random(f"areal-npu-demo/{seed}/{task.task_id}")
+    ((path, _),) = task.meta["fix"].items()
+    function = str(task.meta.get("function", "")).rpartition(".")[2]
+    if function and rng.random() < 0.5:
+        look = _turn(rng.choice(_GREP).format(path=path, function=function),
+                     f"grep -n -A8 'def {function}' {path}")  # fmt: skip
+    else:
+        look = _turn(rng.choice(_LOOK).format(path=path), f"cat {path}")
+    turns = {
+        "look": look,
+        "fix": _turn(rng.choice(_FIX), fix_command(task)),
+        "test": _turn(rng.choice(_TEST), TEST_COMMAND),
+        "submit": _turn(rng.choice(_SUBMIT), SUBMIT_COMMAND),
+    }
+    order = ["look", "fix", "test", "submit"]
+    for drop in ("test", "look", "submit"):  # what goes first when the turn budget is smaller
+        if len(order) > max_turns:
+            order.remove(drop)
+    return [turns[k] for k in order]
+
+
+class ScriptedClient:
+    """The rollout client's ``generate``, answering with written turns: each turn's tokens and the
+    end-of-turn token (as an engine that stops on it returns them), log-prob 0, version 0."""
+
+    def __init__(self, tokenizer, turns: list[str], end_of_turn_id: int | None):
+        self.tokenizer, self.turns, self.end = tokenizer, list(turns), end_of_turn_id
+        self.calls = 0
+
+    async def generate(self, input_ids, *, max_tokens: int, n: int = 1, **_sampling) -> GenerationResult:
+        if self.calls >= len(self.turns):
+            raise DemoError(f"the episode asked for turn {self.calls + 1} of a {len(self.turns)}-turn demonstration")
+        text = self.turns[self.calls]
+        self.calls += 1
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + ([self.end] if self.end is not None else [])
+        if len(ids) > max_tokens:
+            raise ConfigError("workflow.max_new_tokens", f"({max_tokens} tokens for this turn) is too small for "
+                              f"the warm start's demonstration turn of {len(ids)} tokens: {text!r}")  # fmt: skip
+        sample = GenerationSample(ids, [0.0] * len(ids), [0] * len(ids), "stop")
+        return GenerationResult("demo", list(input_ids), [sample] * n)
+
+
+async def _record(agent, task: RepoTask, turns: list[str]) -> Trajectory:
+    client = ScriptedClient(agent.tokenizer, turns, agent.chat.end_of_turn_id)
+    traj = await agent.episode(task, client, agent.prompt_ids(task), group_id=-1)
+    stats = traj.meta["stats"]
+    if traj.reward != 1.0 or stats["format_errors"] or client.calls != len(turns):
+        raise DemoError(
+            f"the demonstration of {task.task_id} ({task.meta.get('family')}) got reward {traj.reward} "
+            f"({traj.meta['reason']}), {stats['format_errors']:g} format errors, ended by {traj.meta['end']} "
+            f"after {client.calls}/{len(turns)} turns: {turns}"
+        )
+    return traj
+
+
+def record_demos(tasks: list[RepoTask], workflow, tokenizer, seed: int = 0) -> list[Trajectory]:
+    """One recorded demonstration episode per task, through the shell agent ``workflow`` configures."""
+    from areal_npu.agent.shell_agent import ShellAgent
+
+    missing = [t.task_id for t in tasks if not has_demo(t)]
+    if missing:
+        raise ConfigError("warmstart.steps", f"needs demonstrations, which only the embedded repo tasks have "
+                          f"(no reference fix: {', '.join(missing[:3])})")  # fmt: skip
+    agent = ShellAgent(replace(workflow, group_size=1), tokenizer)
+
+    async def record_all():
+        return await asyncio.gather(*(_record(agent, t, demo_turns(t, workflow.max_turns, seed)) for t in tasks))
+
+    try:
+        return list(asyncio.run(record_all()))
+    finally:
+        agent.pool.shutdown(wait=True)
+
+
+def demo_samples(tokenizer, tasks: list[RepoTask], workflow, seed: int = 0) -> list[TrainSample]:
+    """SFT samples (``input_ids``, ``loss_mask`` on the assistant tokens) of the recorded demonstrations."""
+    samples = []
+    for traj in record_demos(tasks, workflow, tokenizer, seed):
+        s = training_sample(traj, 0.0)
+        samples.append(TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask))
+    return samples

@@ -1,0 +1,86 @@
+"""The recipe's ``train`` section: which engine trains (``backend``), the trainer's layout, and the
+settings both engines share. Both take it: the FSDP2 engine (:mod:`areal_npu.train.fsdp2`) and the
+Megatron-Core engine (:mod:`areal_npu.train.megatron.engine`); :func:`areal_npu.train.factory.build_engine`
+builds the one ``backend`` names.
+
+One derivation: ``packing.tp_size`` / ``cp_size`` (how micro-batches are padded and split) follow
+the layout, ``train.megatron.tp_size`` / ``cp_size``; the FSDP2 engine has neither parallelism.
+Validation here is what any plan needs (``train --dry-run`` plans for other machines); what the
+chosen engine cannot do here is refused by :func:`areal_npu.train.factory.check_trainer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_npu.config import ConfigError
+from areal_npu.data.packing import PackingConfig
+from areal_npu.train.megatron.config import MegatronLayoutConfig
+from areal_npu.train.optim import OptimConfig
+
+__all__ = ["BACKENDS", "TrainEngineConfig"]
+
+BACKENDS = ("fsdp2", "megatron")
+
+
+@dataclass
+class TrainEngineConfig:
+    backend: str = (
+        "fsdp2"  # fsdp2 | megatron (Megatron-Core: tensor/context parallelism; Qwen3 dense off the NPU)
+    )
+    dp_size: int = (
+        1  # data-parallel trainer ranks (placement plans them); a run needs 1 until multi-rank training lands
+    )
+    # Compute dtype: float32 | bfloat16. Parameters, gradients and optimizer states are float32
+    # either way (fp32 master weights); bfloat16 is the forward/backward copy FSDP2 casts at unshard.
+    dtype: str = "float32"
+    logprob_chunk_size: int = 2048  # tokens per chunk of the [T, V] log-prob computation
+    temperature: float = 1.0  # must match the behaviour log-probs (vLLM raw log-probs: 1.0)
+    gradient_checkpointing: bool = False  # recompute each decoder layer (policy and MTP head) in backward
+    ppo_minibatches: int = 1  # optimizer steps per train step (PPO mini-batches); the version bumps once
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    packing: PackingConfig = field(default_factory=lambda: PackingConfig(max_tokens_per_mb=8192))
+    megatron: MegatronLayoutConfig = field(default_factory=MegatronLayoutConfig)
+
+    def pre_validate(self) -> None:
+        """The backend, and ``packing.tp_size`` / ``cp_size`` derived from its layout, before
+        ``packing`` validates against them."""
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", f"must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.backend == "fsdp2":
+            layout = self.megatron
+            for key in ("tp_size", "cp_size", "pp_size", "sequence_parallel"):
+                if getattr(layout, key) != getattr(MegatronLayoutConfig, key):
+                    raise ConfigError(
+                        f"megatron.{key}", f"is set ({getattr(layout, key)}) but train.backend is fsdp2; "
+                        "set train.backend=megatron for tensor/context/pipeline parallelism",
+                    )  # fmt: skip
+            derived = {"tp_size": 1, "cp_size": 1}
+        else:
+            derived = {"tp_size": self.megatron.tp_size, "cp_size": self.megatron.cp_size}
+        for key, value in derived.items():
+            given = getattr(self.packing, key)
+            if given not in (1, value):
+                kind = "tensor" if key == "tp_size" else "context"
+                raise ConfigError(
+                    f"packing.{key}",
+                    f"must be 1 (got {given}): the FSDP2 engine has no {kind} parallelism; set train.backend=megatron "
+                    f"and train.megatron.{key}" if self.backend == "fsdp2" else
+                    f"follows train.megatron.{key} ({value}), got {given}; set train.megatron.{key} only",
+                )  # fmt: skip
+            setattr(self.packing, key, value)
+
+    def validate(self) -> None:
+        self.pre_validate()  # also when an engine checks its config directly
+        if not isinstance(self.dp_size, int) or self.dp_size < 1:
+            raise ConfigError("dp_size", f"must be an int >= 1, got {self.dp_size!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.logprob_chunk_size < 1:
+            raise ValueError("logprob_chunk_size must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0")
+        if self.ppo_minibatches < 1:
+            raise ValueError("ppo_minibatches must be >= 1")
+        self.packing.validate()
+        self.megatron.validate()

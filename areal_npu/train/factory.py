@@ -1,0 +1,108 @@
+"""The one place a train engine is chosen and built: ``train.backend`` -> the FSDP2 or the
+Megatron-Core engine, from a Hugging Face checkpoint; and what the chosen engine cannot do with a
+recipe, refused before any work (:func:`check_trainer`, :func:`check_world_size`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal_npu.config import ConfigError
+from areal_npu.model.mtp import MTPConfig
+from areal_npu.train.config import TrainEngineConfig
+from areal_npu.train.protocol import TrainEngine
+
+__all__ = ["build_engine", "check_trainer", "check_world_size"]
+
+
+def build_engine(
+    train: TrainEngineConfig, checkpoint: str | Path, mtp: MTPConfig, pad_token_id: int
+) -> TrainEngine:
+    """The engine ``train.backend`` names, holding the weights of the HF checkpoint ``checkpoint``
+    (and its ``mtp.*`` head where ``mtp`` asks for one). Needs ``torch.distributed`` initialised."""
+    if train.backend == "fsdp2":
+        from areal_npu.model.layout import load_for_training
+        from areal_npu.train.fsdp2 import FSDPEngine
+
+        lm, head, layout = load_for_training(checkpoint, mtp)
+        return FSDPEngine(lm, head, train, mtp, pad_token_id=pad_token_id, layout=layout)
+    if train.backend == "megatron":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from areal_npu.train.megatron.engine import MegatronEngine, check_mtp
+
+        check_mtp(mtp)  # before loading anything
+        lm = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        engine = MegatronEngine.from_hf_model(lm, train, mtp_config=mtp, pad_token_id=pad_token_id)
+        del lm
+        return engine
+    raise ConfigError("train.backend", f"no engine for {train.backend!r}")
+
+
+def _model_hf_config(model):
+    """The HF config of the recipe's model: its checkpoint's, or the tiny model's."""
+    if model.path:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(Path(model.path).expanduser())
+    from areal_npu.model.tiny import hf_config
+
+    return hf_config(model.tiny)
+
+
+def _prefixed(exc: ConfigError, prefix: str) -> ConfigError:
+    return ConfigError(prefix + exc.key, str(exc)[len(exc.key) + 2 :])
+
+
+def check_trainer(cfg) -> None:
+    """What the run's train engine cannot do with the recipe ``cfg`` (an ``RLConfig``), as a
+    :class:`ConfigError` naming the key: more than one trainer rank, the loss, and for
+    ``train.backend: megatron`` everything its engine refuses (layout, dtype, MTP, the model, the
+    divisibility of heads / KV heads / FFN / vocabulary by TP and of layers by PP)."""
+    from areal_npu.train.losses import PPOLoss
+
+    train = cfg.train
+    if train.dp_size > 1:
+        raise ConfigError(
+            "train.dp_size",
+            f"must be 1 for now (got {train.dp_size}): `areal-npu train` starts one trainer process; "
+            "multi-rank (data-parallel) training has not landed",
+        )
+    loss = PPOLoss(cfg.ppo)  # refuses what no engine computes (ppo.kl_coef)
+    if train.backend != "megatron":
+        return
+    from areal_npu.train.megatron.config import check_loss_layout, check_megatron_config
+    from areal_npu.train.megatron.engine import check_mtp
+    from areal_npu.train.megatron.model import check_layout, check_supported
+
+    hf = _model_hf_config(cfg.model)
+    try:
+        check_supported(hf, cfg.device)
+    except NotImplementedError as exc:
+        raise ConfigError("train.backend", f"the Megatron engine cannot build this model: {exc}") from None
+    try:
+        check_megatron_config(train)
+    except ConfigError as exc:
+        raise _prefixed(exc, "train.") from None
+    check_mtp(cfg.mtp)
+    check_loss_layout(loss, train.megatron.cp_size)
+    layout = train.megatron
+    try:
+        check_layout(hf, layout.tp_size, layout.pp_size)
+    except ValueError as exc:
+        key = "train.megatron.pp_size" if "pp_size" in str(exc) else "train.megatron.tp_size"
+        raise ConfigError(key, str(exc)) from None
+
+
+def check_world_size(train: TrainEngineConfig, world_size: int) -> None:
+    """The layout's ranks (dp x tp x pp x cp) against the trainer processes there are."""
+    from areal_npu.placement import TrainerLayout
+
+    layout = TrainerLayout.of(train)
+    if layout.world_size != world_size:
+        raise ConfigError(
+            layout.size_key(),
+            f"the trainer layout needs {layout.describe()} ranks, but this run has {world_size} trainer "
+            "process(es): `areal-npu train` starts one (multi-rank training has not landed)",
+        )

