@@ -109,3 +109,11 @@ def mtp_loss_key(depth: int) -> str:
 
 def mtp_acc_key(depth: int) -> str:
     return f"mtp/acc_d{int(depth)}"
+
+
+def mtp_count_key(depth: int) -> str:
+    """``mtp/n_d<depth>``: tokens the depth-``depth`` MTP loss was computed on."""
+    return f"mtp/n_d{int(depth)}"
+
+
+MTP_STAT_PREFIXES = ("mtp/loss_d", "mtp/acc_d", "mtp/n_d")

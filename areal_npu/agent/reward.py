@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from areal_npu import names
 from areal_npu.agent.sandbox import REASONS, SandboxLimits, SandboxResult, grade_many
 from areal_npu.agent.tasks import Task, extract_program, to_program
 
@@ -44,10 +45,10 @@ def reward(task: Task, completion_text: str, limits: SandboxLimits | None = None
     return reward_many([task], [completion_text], max_workers=1, limits=limits)[0]
 
 
-def reward_stats(reasons: Iterable[str], prefix: str = "reward/reason_") -> dict[str, int]:
+def reward_stats(reasons: Iterable[str]) -> dict[str, int]:
     """Counts per reason for logging, every known reason present (zeros included) so curves line up:
     ``{"reward/reason_ok": 3, "reward/reason_timeout": 1, ...}``. Unknown reasons are counted too."""
     counts = Counter(reasons)
-    stats = {f"{prefix}{name}": counts.pop(name, 0) for name in REASONS}
-    stats.update({f"{prefix}{name}": n for name, n in sorted(counts.items())})
+    stats = {names.reward_reason_key(name): counts.pop(name, 0) for name in REASONS}
+    stats.update({names.reward_reason_key(name): n for name, n in sorted(counts.items())})
     return stats

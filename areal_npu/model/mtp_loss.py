@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from areal_npu import names
 from areal_npu.kernels.logprobs import DEFAULT_CHUNK_SIZE, chunked_logprobs_hits
 from areal_npu.model.mtp import Qwen35MTP
 from areal_npu.model.mtp_targets import MTPTargets
@@ -79,9 +80,9 @@ def mtp_loss(
         denom = max(int(counts[d - 1]), 1)
         loss_d = ce / denom
         correct = hits.sum()
-        stats[f"mtp/loss_d{d}"] = float(loss_d.detach())
-        stats[f"mtp/acc_d{d}"] = float(correct) / denom
-        stats[f"mtp/n_d{d}"] = float(keep.numel())
+        stats[names.mtp_loss_key(d)] = float(loss_d.detach())
+        stats[names.mtp_acc_key(d)] = float(correct) / denom
+        stats[names.mtp_count_key(d)] = float(keep.numel())
         total = loss_d if total is None else total + loss_d
     loss = total * (loss_scale / depths)
     stats["mtp/loss"] = float(loss.detach())

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from areal_npu import names
 from areal_npu.data.packed_layout import PackedBatch, pack_per_token, pack_sequences
 from areal_npu.model.mtp import MTPConfig, Qwen35MTP
 from areal_npu.model.mtp_loss import backbone_forward, joint_forward
@@ -180,7 +181,7 @@ def evaluate_mtp(
             loss_scale=1.0, num_valid_tokens=counts,
         )  # fmt: skip
         for key, value in out.stats.items():
-            if key.startswith(("mtp/loss_d", "mtp/acc_d", "mtp/n_d")):
+            if key.startswith(names.MTP_STAT_PREFIXES):
                 totals[key] = totals.get(key, 0.0) + value
     model.train(was_training[0])
     mtp.train(was_training[1])

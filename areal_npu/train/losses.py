@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from areal_npu import names
 from areal_npu.algo.guard import nonfinite_guard
 from areal_npu.algo.ppo import PPOConfig, decoupled_ppo_loss
 from areal_npu.config import ConfigError
@@ -81,7 +82,7 @@ class SFTLoss:
         loss = -(torch.where(mask, logp, torch.zeros_like(logp))).sum() / max(denominator, 1.0)
         n = max(int(mask.sum()), 1)
         stats = {
-            "sft/nll": float(-(logp.detach() * mask).sum() / n),
+            names.SFT_NLL: float(-(logp.detach() * mask).sum() / n),
             "sft/entropy": float((entropy.detach() * mask).sum() / n),
         }
         return loss, stats
