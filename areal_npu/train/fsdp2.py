@@ -34,7 +34,7 @@ from areal_npu.train.dist import all_reduce_sum
 from areal_npu.train.forward import IGNORE, MicroBatch, PolicyWithMTP, prediction_fields
 from areal_npu.train.losses import Loss
 from areal_npu.train.optim import build_optimizer
-from areal_npu.train.stats import merge_minibatch_stats, merge_stats
+from areal_npu.train.stats import merge_stats, minibatch_train_step
 
 __all__ = ["FSDPEngine", "enable_activation_checkpointing"]
 
@@ -212,15 +212,7 @@ class FSDPEngine:
         """One training step on this rank's ``samples``: ``ppo_minibatches`` optimizer steps over
         interleaved slices (each normalised by its own global counts), one weight-version bump.
         Returns global stats (see :meth:`forward_backward`), averaged over the mini-batches."""
-        n = self.config.ppo_minibatches
-        if len(samples) < n:
-            raise ValueError(f"{len(samples)} samples cannot fill ppo_minibatches={n}")
-        per = []
-        for i in range(n):
-            stats = self.forward_backward(samples[i::n], loss, step)
-            stats.update(self.optimizer_step(step, bump_version=i == n - 1))
-            per.append(stats)
-        return per[0] if n == 1 else merge_minibatch_stats(per, self.version)
+        return minibatch_train_step(self, samples, loss, step, self.config.ppo_minibatches)
 
     def forward_backward(
         self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None

@@ -51,3 +51,17 @@ def merge_minibatch_stats(per: list[dict[str, float]], version: int) -> dict[str
             merged[key] = sum(values) / len(values)
     merged["train/version"] = float(version)
     return merged
+
+
+def minibatch_train_step(engine, samples, loss, step, n: int) -> dict[str, float]:
+    """One training step of ``engine`` (either backend) as ``n`` PPO mini-batches: optimizer steps over
+    interleaved slices of ``samples`` (each normalised by its own global counts), one version bump at
+    the end; the mini-batches' stats merged."""
+    if len(samples) < n:
+        raise ValueError(f"{len(samples)} samples cannot fill ppo_minibatches={n}")
+    per = []
+    for i in range(n):
+        stats = engine.forward_backward(samples[i::n], loss, step)
+        stats.update(engine.optimizer_step(step, bump_version=i == n - 1))
+        per.append(stats)
+    return per[0] if n == 1 else merge_minibatch_stats(per, engine.version)

@@ -65,7 +65,7 @@ from areal_npu.train.megatron.model import build_gpt_model, decoder_hidden_state
 from areal_npu.train.megatron.packing import MegatronMicroBatch, to_megatron
 from areal_npu.train.megatron.runtime import init_parallel_state
 from areal_npu.train.optim import build_optimizer
-from areal_npu.train.stats import merge_minibatch_stats, merge_stats
+from areal_npu.train.stats import merge_stats, minibatch_train_step
 
 __all__ = ["MegatronEngine"]
 
@@ -238,15 +238,7 @@ class MegatronEngine:
         self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
     ) -> dict[str, float]:
         """``ppo_minibatches`` optimizer steps over interleaved slices, one version bump (as FSDP2)."""
-        n = self.config.ppo_minibatches
-        if len(samples) < n:
-            raise ValueError(f"{len(samples)} samples cannot fill ppo_minibatches={n}")
-        per = []
-        for i in range(n):
-            stats = self.forward_backward(samples[i::n], loss, step)
-            stats.update(self.optimizer_step(step, bump_version=i == n - 1))
-            per.append(stats)
-        return per[0] if n == 1 else merge_minibatch_stats(per, self.version)
+        return minibatch_train_step(self, samples, loss, step, self.config.ppo_minibatches)
 
     def forward_backward(
         self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
