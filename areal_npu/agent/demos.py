@@ -3,10 +3,10 @@
 The task generator knows each repository's planted bug (``task.meta["fix"]``: the broken module's
 correct source), so a demonstration is written from it, the way a careful engineer would work::
 
-    look     "The issue is in toolkit/seq.py; read it."        cat toolkit/seq.py  (or grep -n -A8 'def f')
-    fix      "The slice is one short; fix it."                  sed -i 's/items\\[i : i + size - 1\\]/.../' ...
-    test     "Run the visible tests."                           python -m unittest discover -s tests
-    submit   "The fix is done; submit it."                      echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT
+    look     "Read the module first."           cat toolkit/seq.py
+    fix      "Fix the buggy line."              sed -i 's/size - 1\\]/size]/' toolkit/seq.py
+    test     "Run the visible tests."           python -m unittest discover -s tests
+    submit   "The fix is done; submit it."      echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT
 
 (with fewer turns the test turn goes first, then the look). A demonstration is *recorded* by running
 the real :class:`~areal_npu.agent.shell_agent.ShellAgent` episode with :class:`ScriptedClient`, which
@@ -14,8 +14,8 @@ answers each generation request with the next written turn plus the end-of-turn 
 engine stopping on it would. So the prompt, the chat framing, the observations (the commands really
 run in the jailed repository copy, :class:`~areal_npu.agent.environments.RepoEnv`) and the loss mask
 (1 on the assistant's tokens, 0 on prompt and observations) are those of a rollout by construction.
-Every recorded episode must submit (or use its whole turn budget), get reward 1 from the hidden tests
-and leave the module byte-equal to the reference fix; anything else is a bug here (:class:`DemoError`).
+Every recorded episode must run each written turn without a format error and get reward 1 from the
+hidden tests; anything else is a bug here or in the task generator (:class:`DemoError`).
 
 Only tasks whose ``meta`` carries the fix (the embedded ones, :mod:`areal_npu.agent.repo_tasks`) have
 demonstrations; a JSONL task set has none.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import random
 import re
 from dataclasses import replace
 
@@ -39,11 +38,10 @@ from areal_npu.rollout.client import GenerationResult, GenerationSample
 TEST_COMMAND = "python -m unittest discover -s tests"
 SUBMIT_COMMAND = f"echo {actions.SUBMIT_MARKER}"
 
-_LOOK = ("The issue is in {path}; read it first.", "Let me look at {path}.", "First, read {path}.")
-_GREP = ("Let me find {function} in {path}.", "Show {function} with line numbers.")
-_FIX = ("Found the bug; fix it.", "This line is wrong; fix it.", "Fix the buggy line.")
-_TEST = ("Run the visible tests.", "Check that the tests still pass.")
-_SUBMIT = ("The fix is done; submit it.", "Done. Submit.", "Fixed; submitting.")
+# One fixed reasoning line per step, none ending like a command (a path before the fence would read
+# as the end of a block to a small model).
+LOOK, FIX, TEST, SUBMIT = ("Read the module first.", "Fix the buggy line.", "Run the visible tests.",
+                           "The fix is done; submit it.")  # fmt: skip
 
 
 class DemoError(AssertionError):
@@ -120,21 +118,14 @@ def _turn(reason: str, command: str) -> str:
     return f"{reason}\n```bash\n{command}\n```"
 
 
-def demo_turns(task: RepoTask, max_turns: int, seed: int = 0) -> list[str]:
+def demo_turns(task: RepoTask, max_turns: int) -> list[str]:
     """The assistant turns of ``task``'s demonstration, at most ``max_turns`` of them."""
-    rng = random.Random(f"areal-npu-demo/{seed}/{task.task_id}")
     ((path, _),) = task.meta["fix"].items()
-    function = str(task.meta.get("function", "")).rpartition(".")[2]
-    if function and rng.random() < 0.5:
-        look = _turn(rng.choice(_GREP).format(path=path, function=function),
-                     f"grep -n -A8 'def {function}' {path}")  # fmt: skip
-    else:
-        look = _turn(rng.choice(_LOOK).format(path=path), f"cat {path}")
     turns = {
-        "look": look,
-        "fix": _turn(rng.choice(_FIX), fix_command(task)),
-        "test": _turn(rng.choice(_TEST), TEST_COMMAND),
-        "submit": _turn(rng.choice(_SUBMIT), SUBMIT_COMMAND),
+        "look": _turn(LOOK, f"cat {path}"),
+        "fix": _turn(FIX, fix_command(task)),
+        "test": _turn(TEST, TEST_COMMAND),
+        "submit": _turn(SUBMIT, SUBMIT_COMMAND),
     }
     order = ["look", "fix", "test", "submit"]
     for drop in ("test", "look", "submit"):  # what goes first when the turn budget is smaller
@@ -177,7 +168,7 @@ async def _record(agent, task: RepoTask, turns: list[str]) -> Trajectory:
     return traj
 
 
-def record_demos(tasks: list[RepoTask], workflow, tokenizer, seed: int = 0) -> list[Trajectory]:
+def record_demos(tasks: list[RepoTask], workflow, tokenizer) -> list[Trajectory]:
     """One recorded demonstration episode per task, through the shell agent ``workflow`` configures."""
     from areal_npu.agent.shell_agent import ShellAgent
 
@@ -188,7 +179,7 @@ def record_demos(tasks: list[RepoTask], workflow, tokenizer, seed: int = 0) -> l
     agent = ShellAgent(replace(workflow, group_size=1), tokenizer)
 
     async def record_all():
-        return await asyncio.gather(*(_record(agent, t, demo_turns(t, workflow.max_turns, seed)) for t in tasks))
+        return await asyncio.gather(*(_record(agent, t, demo_turns(t, workflow.max_turns)) for t in tasks))
 
     try:
         return list(asyncio.run(record_all()))
@@ -196,10 +187,10 @@ def record_demos(tasks: list[RepoTask], workflow, tokenizer, seed: int = 0) -> l
         agent.pool.shutdown(wait=True)
 
 
-def demo_samples(tokenizer, tasks: list[RepoTask], workflow, seed: int = 0) -> list[TrainSample]:
+def demo_samples(tokenizer, tasks: list[RepoTask], workflow) -> list[TrainSample]:
     """SFT samples (``input_ids``, ``loss_mask`` on the assistant tokens) of the recorded demonstrations."""
     samples = []
-    for traj in record_demos(tasks, workflow, tokenizer, seed):
+    for traj in record_demos(tasks, workflow, tokenizer):
         s = training_sample(traj, 0.0)
         samples.append(TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask))
     return samples

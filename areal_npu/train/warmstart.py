@@ -79,7 +79,7 @@ def warm_start(
         if workflow is None:
             raise ValueError("repo tasks warm-start on shell-agent demonstrations: pass the run's workflow config")
         with console.status(f"recording {len(tasks)} demonstration episodes"):
-            samples = demo_samples(tokenizer, tasks, workflow, seed)
+            samples = demo_samples(tokenizer, tasks, workflow)
     else:
         samples = warm_start_samples(tokenizer, sft_pairs(tasks))
     rng = random.Random(seed)
