@@ -9,16 +9,21 @@ the engine calls it only when the platform is the CPU (never on NPU, where MindS
 maps these calls to the NPU, nor on CUDA). ``tests/compat/test_megatron.py`` has one test per
 shim that fails once upstream stops needing it.
 
+Gloo in torch 2.13 has ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, so TP with fewer KV
+heads than ranks and sequence parallelism run over gloo once their buffers are allocated on the CPU
+(the mapping and buffer shims below). The CUDA RNG tracker, which Megatron forks around every layer
+under sequence parallelism, is swapped for Megatron's own stateless (inference) tracker through its
+``initialize_rng_tracker`` API (:func:`_stateless_rng_tracker`): exact because the engine's dropout
+is 0.
+
 What is deliberately *not* shimmed, because the Megatron engine never reaches it on the CPU:
 
-- the CUDA RNG tracker (``tensor_parallel.random``): used only by weight initialisation on the
-  device (we build with ``use_cpu_initialization`` and load HF weights, no random init), by
-  dropout under sequence parallelism and by activation recomputation; the engine refuses
-  sequence parallelism (gloo has no reduce-scatter) and recomputation on the CPU;
-- ``GlobalMemoryBuffer`` and the packed-sequence refusal of the non-TE ``DotProductAttention``:
-  the engine's layer spec uses its own core attention
-  (:class:`areal_npu.train.megatron.attention.PackedCoreAttention`, our packed kernel), so
-  Megatron's local attention never runs;
+- the training RNG tracker's state handling: used by weight initialisation on the device (we
+  build with ``use_cpu_initialization`` and load HF weights, no random init) and by activation
+  recomputation, which the engine refuses;
+- the packed-sequence refusal of the non-TE ``DotProductAttention``: the engine's layer spec uses
+  its own core attention (:class:`areal_npu.train.megatron.attention.PackedCoreAttention`, our
+  packed kernel), so Megatron's local attention never runs;
 - ``MTPLossLoggingHelper``: only ``GPTModel._postprocess`` calls it with labels; the engine
   computes its losses itself (chunked, vocab-parallel).
 """
@@ -42,6 +47,39 @@ CPU_DEVICE_SHIMS: tuple[tuple[str, str, str], ...] = (
         # Moves ``inv_freq`` to ``torch.cuda.current_device()`` on the first forward whenever it is
         # on the CPU: every RoPE model (Qwen3) fails on a CPU-only build at its first forward.
         "rotary inv_freq is moved to torch.cuda.current_device() on first use",
+    ),
+    (
+        "megatron.core.tensor_parallel.mappings",
+        "_gather_along_last_dim",
+        # Allocates the all-gather output on torch.cuda.current_device(). Reached when TP is larger
+        # than the KV heads: SelfAttention all-gathers the fused QKV output over TP (forward).
+        "the TP all-gather output is allocated on torch.cuda.current_device()",
+    ),
+    (
+        "megatron.core.tensor_parallel.mappings",
+        "_reduce_scatter_along_first_dim",
+        # Same allocation: the backward of that all-gather is a reduce-scatter
+        # (_reduce_scatter_along_last_dim calls this one), which gloo runs in torch >= 2.13.
+        "the TP reduce-scatter output is allocated on torch.cuda.current_device()",
+    ),
+    (
+        "megatron.core.tensor_parallel.mappings",
+        "_gather_along_first_dim",
+        # Sequence parallelism: the backward of the embedding's reduce-scatter and the gather of the
+        # decoder's output before the vocabulary-parallel head allocate here.
+        "the sequence-parallel all-gather output is allocated on torch.cuda.current_device()",
+    ),
+    (
+        "megatron.core.utils",
+        "GlobalMemoryBuffer.get_tensor",
+        # Sequence parallelism: ColumnParallelLinear all-gathers its input into this shared buffer.
+        "the shared all-gather buffer is allocated on torch.cuda.current_device()",
+    ),
+    (
+        "megatron.core.tensor_parallel.layers",
+        "LinearWithGradAccumulationAndAsyncCommunication.backward",
+        # Sequence parallelism: the input gradient's reduce-scatter output is allocated there.
+        "the sequence-parallel reduce-scatter of the input gradient is allocated on torch.cuda.current_device()",
     ),
 )
 
@@ -121,4 +159,17 @@ def apply_cpu_patches() -> list[str]:
             if not isinstance(owner, type):
                 _rebind_importers(module_name, name, current, patched)
             _applied.append(key)
+        _stateless_rng_tracker()
         return list(_applied)
+
+
+def _stateless_rng_tracker() -> None:
+    """Megatron forks its CUDA RNG tracker around every decoder and MTP layer under sequence
+    parallelism (for dropout). On a CPU-only build the training tracker cannot read or set a CUDA
+    RNG state. The engine runs with dropout 0 (``transformer_config``), so no random number is drawn
+    inside the fork, and Megatron's own inference tracker (its ``fork`` is a ``nullcontext``) is
+    exact. Not a patch: Megatron's ``initialize_rng_tracker`` API, once per process."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, initialize_rng_tracker
+
+    if type(get_cuda_rng_tracker()).__name__ != "InferenceCudaRNGStatesTracker":
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

@@ -45,3 +45,86 @@ def test_every_shim_is_listed_with_a_reason_and_applied():
     for module, path, why in CPU_DEVICE_SHIMS:
         assert why and f"{module}.{path}" in applied
         assert unpatched(module, path) is not None
+
+
+class _TwoRankGroup:
+    """Stands for a 2-rank TP group up to the first collective (the upstream functions size and
+    allocate their output before they communicate)."""
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+
+MAPPINGS = "megatron.core.tensor_parallel.mappings"
+
+
+@pytest.mark.parametrize(
+    "name,shape",
+    [("_gather_along_last_dim", (3, 1, 4)), ("_reduce_scatter_along_first_dim", (4, 3)), ("_gather_along_first_dim", (2, 3))],
+)  # fmt: skip
+def test_upstream_tp_collectives_still_allocate_on_cuda(name, shape):
+    """Fails once Megatron allocates these outputs where the input lives: then drop the shims.
+    (That the shimmed collectives are exact is checked end to end over two gloo ranks:
+    ``tests/train/megatron/test_tp_kv_replicated.py``, TP=2 with one KV head and sequence
+    parallelism == one process.)"""
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        unpatched(MAPPINGS, name)(torch.zeros(shape), _TwoRankGroup())
+
+
+def test_upstream_global_buffer_still_allocates_on_cuda_and_the_shim_allocates_on_the_cpu():
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        unpatched("megatron.core.utils", "GlobalMemoryBuffer.get_tensor")(
+            GlobalMemoryBuffer(), (2, 3), torch.float32, "t"
+        )
+    apply_cpu_patches()
+    out = GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "t")
+    assert out.shape == (2, 3) and out.device.type == "cpu"
+
+
+def test_upstream_linear_backward_still_allocates_its_sp_gradient_on_cuda():
+    """The sequence-parallel branch of the linear layer's backward (reduce-scatter of the input
+    gradient) allocates on CUDA: called with a stand-in ``ctx`` up to that allocation."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(
+        saved_tensors=(torch.zeros(2, 3), torch.zeros(4, 3)),
+        main_grad=None,
+        use_bias=False,
+        grad_output_buffer=[],
+        wgrad_deferral_limit=0,
+        tp_group=_TwoRankGroup(),
+        gradient_accumulation_fusion=False,
+        sequence_parallel=True,
+        allreduce_dgrad=False,
+        _fwd_used_autocast=False,
+        _dtype=torch.float32,
+    )
+    backward = unpatched(
+        "megatron.core.tensor_parallel.layers", "LinearWithGradAccumulationAndAsyncCommunication.backward"
+    )
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        backward(ctx, torch.zeros(4, 4))
+
+
+def test_the_rng_tracker_is_megatrons_stateless_one_and_its_fork_draws_nothing():
+    """Upstream's training tracker cannot fork on a CPU-only build (no CUDA RNG state); after the
+    patches the tracker is Megatron's inference tracker, whose fork leaves every RNG untouched."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        training = mrandom.CudaRNGStatesTracker()
+        training.add("model-parallel-rng", 3)
+        with training.fork():
+            pass
+    apply_cpu_patches()
+    tracker = mrandom.get_cuda_rng_tracker()
+    assert type(tracker).__name__ == "InferenceCudaRNGStatesTracker"
+    before = torch.get_rng_state()
+    with tracker.fork():
+        pass
+    assert torch.equal(before, torch.get_rng_state())

@@ -27,7 +27,7 @@ __all__ = ["load_checkpoint", "save_checkpoint", "write_hf_checkpoint"]
 
 def _optimizer_state(engine) -> dict:
     """AdamW state keyed by Megatron parameter name (not by position)."""
-    names = {id(p): n for n, p in engine.module.named_parameters()}
+    names = {id(p): n for n, p in engine.named_mcore_parameters().items()}  # the MTP layer's too
     state = engine.optimizer.state_dict()
     order = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
     return {
@@ -83,8 +83,14 @@ def load_checkpoint(engine, path: str | Path) -> dict:
             f"tp_size={engine.config.megatron.tp_size}; resume with the same tp_size"
         )
     hf = load_file(str(path / "model.safetensors"))
+    head = {n: hf.pop(n) for n in list(hf) if n.startswith("mtp.")}
     state = convert.hf_to_mcore(hf, engine.shape, engine.tp_rank, engine.config.megatron.tp_size)
-    named = dict(engine.module.named_parameters())
+    if engine.mtp is not None:
+        from areal_npu.train.megatron.engine import MTP_MODULE
+        from areal_npu.train.megatron.mtp import mtp_hf_to_mcore
+
+        state.update((MTP_MODULE + n, t) for n, t in mtp_hf_to_mcore(head, engine.shape).items())
+    named = engine.named_mcore_parameters()
     with torch.no_grad():
         for name, tensor in state.items():
             named[name].copy_(tensor)

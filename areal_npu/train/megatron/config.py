@@ -21,7 +21,7 @@ class MegatronLayoutConfig:
     cp_size: int = 1  # context-parallel ranks: every packed sequence split zigzag over them
     pp_size: int = 1  # pipeline stages (not wired yet: 1)
     sequence_parallel: bool = (
-        False  # activations outside attention/FFN sharded over TP (not wired yet: false)
+        False  # activations outside attention/FFN sharded over TP (needs tp_size >= 2, cp_size 1)
     )
 
     def validate(self) -> None:
@@ -38,11 +38,14 @@ def check_megatron_config(train) -> None:
         raise ConfigError(
             "megatron.pp_size", f"pipeline parallelism is not wired yet (got {layout.pp_size}); use 1"
         )
-    if layout.sequence_parallel:
-        # Megatron's local spec norms refuse it, and over gloo it would need reduce-scatter.
+    if layout.sequence_parallel and layout.tp_size < 2:
+        raise ConfigError(
+            "megatron.sequence_parallel", "shards activations over TP ranks: needs tp_size >= 2"
+        )
+    if layout.sequence_parallel and layout.cp_size > 1:
         raise ConfigError(
             "megatron.sequence_parallel",
-            "needs Transformer Engine / MindSpeed norms and a reduce-scatter; not wired",
+            f"not wired together with context parallelism (cp_size={layout.cp_size})",
         )
     if train.dtype != "float32":
         raise ConfigError(

@@ -37,6 +37,11 @@ Fused layouts:
 - ``linear_qkv`` interleaves per query group: ``[G, (Hq/G + 2) d, H]`` = for each group ``g``, its
   ``Hq/G`` query heads, then its key head, then its value head. TP rank ``r`` holds the contiguous
   groups ``r G/tp .. (r+1) G/tp - 1``, so a shard is a contiguous slice of the fused tensor.
+  With fewer KV heads than TP ranks (``tp`` a multiple of ``G``) the shards are *still* the ``tp``
+  contiguous row slices of the fused tensor (a slice may cut through a group's q/k/v): Megatron-Core
+  0.16.1 replicates KV heads in compute, not in the weights -- ``SelfAttention`` all-gathers the QKV
+  output over TP and each rank keeps its group's key/value and its ``Hq/tp`` query heads. So the
+  same :func:`shard` / :func:`unshard` hold, and the export concatenates the slices (no copy to pick).
 - ``linear_fc1`` is ``[gate; up]`` *per TP shard*: rank ``r`` holds ``[gate_r; up_r]`` (Megatron's
   SwiGLU splits its local output in two halves), so the shards concatenated are
   ``[gate_0; up_0; gate_1; up_1; ...]``, not ``[gate; up]``.

@@ -16,26 +16,15 @@ and DP ranks; each CP rank's loss covers its tokens, so gradients are *summed* o
 group (TP reductions happen inside Megatron's layers), and the per-head q/k norms' partial
 gradients over TP.
 
-Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config` / the
-constructor with a sentence):
-pipeline parallelism, sequence parallelism (local-spec norms refuse it; gloo has no
-reduce-scatter), recomputation, bf16 with fp32 master weights / Megatron's DistributedOptimizer
-(this engine steps a plain ``torch.optim.AdamW`` on its local shards), and the MTP head. For MTP
-the facts a next step needs, checked on this CPU: ``mtp_num_layers=1`` with this layer spec builds
-``mtp.layers.0.{enorm, hnorm, eh_proj [H, 2H], transformer_layer.*, final_layernorm}`` and its
-packed forward runs (``GPTModel``'s own MTP *loss* path needs ``MTPLossLoggingHelper`` on CUDA, so
-call ``model.mtp`` directly and use :func:`areal_npu.model.mtp_loss.mtp_loss`). Mapping to our
-``mtp.*`` names: ``pre_fc_norm_embedding`` -> ``enorm``, ``pre_fc_norm_hidden`` -> ``hnorm`` (both
-concatenate embedding first), ``fc`` -> ``eh_proj``, ``layers.0.*`` ->
-``transformer_layer.*`` (the layer table of :mod:`.convert`), ``norm`` -> ``final_layernorm``; our
-norms are zero-centred, so the Megatron weight is ``1 + w`` (the local spec's torch norm has no
-zero-centred mode). Exact only for one depth: Megatron builds a *separate* layer per depth and
-applies the decoder's RoPE (position ``t``) at every depth, while our head (and vLLM's drafter)
-reuses ``layers.0`` at position ``t + d - 1``. Gradient isolation needs ``hidden.detach()``, an
-embedding wrapper that detaches (``MultiTokenPredictionLayer`` calls the shared embedding module
-itself) and the detached head in the loss. The project's MTP heads sit on Qwen3.5 backbones
-(Gated DeltaNet), which Megatron-Core 0.16 cannot build, so no CPU model exists here to check such
-a mapping against end to end.
+The MTP head (``mtp.*``, joint training, depth 1, any TP, one CP rank) is Megatron-Core's
+``MultiTokenPredictionLayer`` fed our inputs and trained with our loss (:mod:`.mtp`: where
+Megatron's block differs from our head and what is done instead); it has its own optimizer group
+(``lr x mtp.lr_scale``) and is clipped apart from the policy, as in the FSDP2 engine.
+
+Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config`,
+:func:`areal_npu.train.megatron.mtp.check_mtp` or the constructor with a sentence): pipeline
+parallelism, sequence parallelism, recomputation, bf16 with fp32 master weights / Megatron's
+DistributedOptimizer (this engine steps a plain ``torch.optim.AdamW`` on its local shards).
 """
 
 from __future__ import annotations
@@ -47,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from areal_npu.algo.guard import NonFiniteError
-from areal_npu.config import ConfigError
 from areal_npu.data.context_parallel import cp_gather
 from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
 from areal_npu.data.packing import packing_stats, plan_micro_batches
@@ -60,19 +48,36 @@ from areal_npu.train.forward import prediction_fields
 from areal_npu.train.losses import Loss
 from areal_npu.train.megatron import convert
 from areal_npu.train.megatron.config import check_loss_layout, check_megatron_config
+from areal_npu.train.megatron.grads import clip_groups, sharded_grad_norm
 from areal_npu.train.megatron.logprobs import vocab_parallel_logprobs_entropy
 from areal_npu.train.megatron.model import build_gpt_model, decoder_hidden_states, gpt_shape
-from areal_npu.train.megatron.packing import MegatronMicroBatch, to_megatron
+from areal_npu.train.megatron.mtp import (
+    MTP_TP_PARTIAL,
+    MTP_TP_SHARDED,
+    build_mtp_layer,
+    check_mtp,
+    head_state,
+    mtp_forward,
+    mtp_hf_to_mcore,
+    mtp_mcore_to_hf,
+    mtp_targets,
+    vocab_parallel_mtp_loss,
+)
+from areal_npu.train.megatron.packing import MegatronMicroBatch, check_same_samples, to_megatron
 from areal_npu.train.megatron.runtime import init_parallel_state
 from areal_npu.train.optim import build_optimizer
 from areal_npu.train.stats import merge_stats, minibatch_train_step
 
-__all__ = ["MegatronEngine"]
+__all__ = ["MTP_MODULE", "MegatronEngine", "check_mtp"]
+
+#: The prefix of the MTP layer's parameters in :meth:`MegatronEngine.named_mcore_parameters`.
+MTP_MODULE = "mtp_layer."
 
 
 class MegatronEngine:
     """Trains a Megatron-Core ``GPTModel`` built from an HF config and state dict (full tensors,
-    HF names; each rank keeps its TP shards). Expects ``torch.distributed`` to be initialised."""
+    HF names; each rank keeps its TP shards) and, with ``mtp.enabled``, its MTP head from
+    ``mtp_state`` (``mtp.*`` HF names). Expects ``torch.distributed`` to be initialised."""
 
     def __init__(
         self,
@@ -81,6 +86,7 @@ class MegatronEngine:
         config: TrainEngineConfig,
         mtp_config: MTPConfig | None = None,
         pad_token_id: int = 0,
+        mtp_state: Mapping[str, torch.Tensor] | None = None,
     ):
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed first (areal_npu.train.dist.init_distributed)")
@@ -91,11 +97,13 @@ class MegatronEngine:
         check_megatron_config(config)
         self.config = config
         self.mtp_config = mtp_config or MTPConfig(enabled=False)
-        check_mtp(self.mtp_config)
+        check_mtp(self.mtp_config, config.megatron.tp_size, config.megatron.cp_size)
+        if self.mtp_config.enabled and not mtp_state:
+            raise ValueError("mtp.enabled but no MTP head was given (load one or set mtp.init_new_head)")
         self.pad_token_id = pad_token_id
         self.device = self.platform.current_device()
         self.version = 0
-        self.mtp = None  # the interface's MTP head slot (no head yet)
+        self.mtp = None  # the interface's MTP head slot: Megatron's MultiTokenPredictionLayer
         self.hf_config = hf_config
         self.shape = gpt_shape(hf_config)
 
@@ -112,7 +120,11 @@ class MegatronEngine:
         self.tp_cp_group = ps.get_tensor_and_context_parallel_group()
 
         self.module = build_gpt_model(
-            hf_config, tp_size=layout.tp_size, cp_size=layout.cp_size, device=self.device
+            hf_config,
+            tp_size=layout.tp_size,
+            cp_size=layout.cp_size,
+            device=self.device,
+            sequence_parallel=layout.sequence_parallel,
         )
         state = convert.hf_to_mcore(hf_state, self.shape, self.tp_rank, layout.tp_size)
         missing, unexpected = self.module.load_state_dict(state, strict=False)
@@ -125,19 +137,36 @@ class MegatronEngine:
 
         named = dict(self.module.named_parameters())
         self._tp_sharded = set(convert.tp_partition_dims(self.shape))
+        # partial over TP: per-head q/k norms; under SP every norm (marked as Megatron marks them)
         self._tp_partial = convert.tp_partial_grad_names(self.shape)
+        self._tp_partial += [
+            n
+            for n, p in named.items()
+            if getattr(p, "sequence_parallel", False) and n not in self._tp_partial
+        ]
         for name, dim in convert.tp_partition_dims(self.shape).items():
             if not hasattr(named[name], "tensor_model_parallel"):
                 set_tensor_model_parallel_attributes(named[name], True, dim, 1)
         self.vocab_start = self.tp_rank * (self.shape.vocab_size // layout.tp_size)
-        params = [p for _, p in self.module.named_parameters()]
-        self.optimizer, self.scheduler = build_optimizer([{"params": params}], config.optim)
+        groups = [{"params": [p for _, p in self.module.named_parameters()]}]
+        if self.mtp_config.enabled:
+            self.mtp = build_mtp_layer(hf_config, layout.tp_size, device=self.device)
+            state = mtp_hf_to_mcore(mtp_state, self.shape, self.tp_rank, layout.tp_size)
+            self.mtp.load_state_dict(state, strict=True)
+            mtp_lr = config.optim.lr * self.mtp_config.lr_scale
+            groups.append({"params": list(self.mtp.parameters()), "lr": mtp_lr})
+        self.optimizer, self.scheduler = build_optimizer(groups, config.optim)
 
     # ---- construction helpers ------------------------------------------------------------------
     @classmethod
-    def from_hf_model(cls, lm: torch.nn.Module, config: TrainEngineConfig, **kwargs) -> MegatronEngine:
-        """From a transformers causal LM (its config and full state dict)."""
-        return cls(lm.config, lm.state_dict(), config, **kwargs)
+    def from_hf_model(
+        cls, lm: torch.nn.Module, config: TrainEngineConfig, mtp: torch.nn.Module | None = None, **kwargs
+    ) -> MegatronEngine:
+        """From a transformers causal LM (its config and full state dict) and, with ``mtp.enabled``,
+        its head (:class:`areal_npu.model.mtp.Qwen35MTP`). Without ``mtp`` the head is read from the
+        checkpoint ``lm`` was loaded from (``lm.config.name_or_path``), as the FSDP2 path does."""
+        mtp_state = head_state(lm, mtp, kwargs.get("mtp_config"), config.megatron)
+        return cls(lm.config, lm.state_dict(), config, mtp_state=mtp_state, **kwargs)
 
     # ---- batching ------------------------------------------------------------------------------
     def _fit_cap(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
@@ -146,18 +175,7 @@ class MegatronEngine:
         return [truncate_sample(s, self.config.packing.max_tokens_per_mb) for s in samples]
 
     def _check_same_samples(self, samples: Sequence[TrainSample]) -> None:
-        """The TP x CP ranks of one model replica must hold the same batch (cheap fingerprint)."""
-        if dist.get_world_size(self.tp_cp_group) == 1:
-            return
-        ids_sum = sum(int(s.input_ids.sum()) for s in samples)
-        mine = [float(len(samples)), float(sum(len(s) for s in samples)), float(ids_sum)]
-        hi = reduce_floats(mine, dist.ReduceOp.MAX, self.tp_cp_group)
-        lo = [-x for x in reduce_floats([-x for x in mine], dist.ReduceOp.MAX, self.tp_cp_group)]
-        if hi != lo:
-            raise ValueError(
-                "the tensor/context-parallel ranks of one replica were given different samples; "
-                "give every rank of a TP x CP group its data-parallel rank's share"
-            )
+        check_same_samples(samples, self.tp_cp_group)
 
     def _micro_batches(self, samples: Sequence[TrainSample], loss: Loss | None):
         """(plan, micro-batches as this rank feeds them, packing stats)."""
@@ -191,16 +209,26 @@ class MegatronEngine:
             return self.module.shared_embedding_or_output_weight()
         return self.module.output_layer.weight
 
-    def _logprobs(self, mb: MegatronMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp, entropy) of this rank's tokens of ``mb`` (prediction-aligned, float32)."""
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    def _logprobs(self, mb: MegatronMicroBatch, mtp_args: dict | None = None):
+        """(logp, entropy, MTP loss or None, MTP stats) of this rank's tokens of ``mb``
+        (prediction-aligned, float32); the MTP head runs when ``mtp_args`` (:func:`.mtp.mtp_targets`) is given."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
 
-        hidden = decoder_hidden_states(self.module, mb.input_ids, mb.position_ids, mb.params)
+        hidden, rotary = decoder_hidden_states(
+            self.module, mb.input_ids, mb.position_ids, mb.params, with_rotary=True
+        )
+        head_input = hidden
         tp = dist.get_world_size(self.tp_group)
-        if tp > 1:
-            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
-        return vocab_parallel_logprobs_entropy(
-            hidden,
+        if tp > 1 and self.config.megatron.sequence_parallel:  # this rank's tokens -> all of them
+            hidden = gather_from_sequence_parallel_region(hidden, True, group=self.tp_group)
+            head_input = hidden  # backward: reduce-scatter of the vocab shards' partial gradients
+        elif tp > 1:
+            head_input = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
+        logp, entropy = vocab_parallel_logprobs_entropy(
+            head_input,
             self._output_weight(),
             mb.fields["targets"],
             vocab_start=self.vocab_start,
@@ -208,6 +236,24 @@ class MegatronEngine:
             chunk_size=self.config.logprob_chunk_size,
             group=self.tp_group if tp > 1 else None,
         )
+        if mtp_args is None:
+            return logp, entropy, None, {}
+        targets, group = mtp_args["targets"], self.tp_group if tp > 1 else None
+        embedding = self.module.embedding.word_embeddings.weight  # this rank's vocabulary rows
+        mtp_hidden = mtp_forward(
+            self.mtp, hidden, targets.embed_ids[0], embedding, rotary, mb.params, self.vocab_start, group
+        )
+        aux, stats = vocab_parallel_mtp_loss(
+            mtp_hidden,
+            self._output_weight(),
+            targets.labels[0],
+            mtp_args["counts"][0],
+            self.mtp_config.loss_scale,
+            self.vocab_start,
+            self.config.logprob_chunk_size,
+            group,
+        )
+        return logp, entropy, aux, stats
 
     def _gather_cp(self, local: torch.Tensor, mb: MegatronMicroBatch) -> torch.Tensor:
         """This micro-batch's full packed tensor from every CP rank's zigzag share (no grad)."""
@@ -228,7 +274,7 @@ class MegatronEngine:
         plan, mbs, _ = self._micro_batches(samples, None)
         out: list[torch.Tensor | None] = [None] * len(samples)
         for indices, mb in zip(plan, mbs):
-            logp, _ = self._logprobs(mb)
+            logp, _, _, _ = self._logprobs(mb)
             full = self._gather_cp(logp, mb)
             for i, pred in zip(indices, unpack_per_token(full.float().cpu(), mb.batch)):
                 out[i] = torch.cat([pred.new_zeros(1), pred[:-1]])
@@ -261,16 +307,28 @@ class MegatronEngine:
         )[0]
         denominator = loss.denominator(n_tokens, n_seqs)
 
+        mtp_args = [None] * len(mbs)
+        if self.mtp is not None:
+            mtp_args = mtp_targets(mbs, plan, samples, self.pad_token_id, self.device, self.dp_group)
+
         self.module.train()
+        if self.mtp is not None:
+            self.mtp.train()
         self.optimizer.zero_grad(set_to_none=True)
         per_mb_stats = []
-        for mb in mbs:
-            logp, entropy = self._logprobs(mb)
+        for mb, mtp_arg in zip(mbs, mtp_args):
+            logp, entropy, aux, aux_stats = self._logprobs(mb, mtp_arg)
             cu_seqlens = mb.params.cu_seqlens_q if mb.cp_size == 1 else None
             main, stats = loss(
-                logp, entropy, mb.fields, denominator=denominator, cu_seqlens=cu_seqlens, policy_version=self.version
+                logp,
+                entropy,
+                mb.fields,
+                denominator=denominator,
+                cu_seqlens=cu_seqlens,
+                policy_version=self.version,
             )
-            main.backward()
+            (main if aux is None else main + aux).backward()
+            stats.update(aux_stats)
             per_mb_stats.append((float(mb.fields["loss_mask"].sum()), stats))
         self._reduce_gradients()
         stats = merge_stats(per_mb_stats, self.dp_cp_group)
@@ -285,81 +343,92 @@ class MegatronEngine:
         per-head q/k norms' partial gradients over TP (each TP rank normalises its own heads)."""
         named = dict(self.module.named_parameters())
         if dist.get_world_size(self.tp_group) > 1:
-            all_reduce_flat(
-                [named[n].grad for n in self._tp_partial if named[n].grad is not None], self.tp_group
-            )
+            partial = [named[n] for n in self._tp_partial]
+            if self.mtp is not None:
+                head = dict(self.mtp.named_parameters())
+                partial += [head[n] for n in MTP_TP_PARTIAL]
+            all_reduce_flat([p.grad for p in partial if p.grad is not None], self.tp_group)
         if dist.get_world_size(self.dp_cp_group) > 1:
-            all_reduce_flat([p.grad for p in named.values() if p.grad is not None], self.dp_cp_group)
+            params = list(named.values()) + (list(self.mtp.parameters()) if self.mtp is not None else [])
+            all_reduce_flat([p.grad for p in params if p.grad is not None], self.dp_cp_group)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the gradient: TP-sharded parameters summed over the TP group,
-        replicated ones (norms) counted once."""
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.module.named_parameters():
-            if p.grad is None:
-                continue
-            sq = p.grad.double().pow(2).sum()
-            if name in self._tp_sharded:
-                sharded += sq
-            else:
-                replicated += sq
-        if dist.get_world_size(self.tp_group) > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
-        return float((sharded + replicated).sqrt())
+    def grad_norm(self, mtp: bool = False) -> float:
+        """Global L2 norm of the policy's gradient over TP shards (``mtp``: the MTP head's, one TP rank)."""
+        if mtp:
+            return sharded_grad_norm(self.mtp.named_parameters(), MTP_TP_SHARDED, self.tp_group, self.device)
+        return sharded_grad_norm(self.module.named_parameters(), self._tp_sharded, self.tp_group, self.device)
 
     def optimizer_step(self, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
-        """Clip (global norm over TP shards), check and apply the gradients; bumps the version."""
+        """Clip (the policy and the MTP head apart, :mod:`.grads`), check and apply the gradients;
+        bumps the version."""
         step = self.version if step is None else step
-        norm = self.grad_norm()
-        if not math.isfinite(norm):
+        groups = [(self.grad_norm(), list(self.module.parameters()))]
+        if self.mtp is not None:
+            groups.append((self.grad_norm(mtp=True), list(self.mtp.parameters())))
+        norms = [n for n, _ in groups]
+        if not all(math.isfinite(n) for n in norms):
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(step, "grad_norm", f"step {step}: gradient norm {norm}; update not applied")
-        clip = self.config.optim.grad_clip
-        if clip > 0 and norm > clip:
-            scale = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            raise NonFiniteError(
+                step, "grad_norm", f"step {step}: gradient norms {norms}; update not applied"
+            )
+        clip_groups(groups, self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         if bump_version:
             self.version += 1
         return {
-            "train/grad_norm": norm,
+            "train/grad_norm": norms[0],
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/version": float(self.version),
         }
 
     # ---- weights -------------------------------------------------------------------------------
     def named_mcore_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters under Megatron names (TP shards)."""
-        return dict(self.module.named_parameters())
+        """This rank's parameters under Megatron names (TP shards); the MTP layer's under
+        :data:`MTP_MODULE`."""
+        named = dict(self.module.named_parameters())
+        if self.mtp is not None:
+            named.update((MTP_MODULE + n, p) for n, p in self.mtp.named_parameters())
+        return named
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full CPU tensor) for every weight. Collective over the TP group: every rank
-        iterates (ranks of other TP groups hold copies and may iterate too)."""
-        return convert.gathered_hf_tensors(self.named_mcore_parameters(), self.shape, self.tp_group)
+        iterates (ranks of other TP groups hold copies and may iterate too). ``mtp.*`` last."""
+        yield from convert.gathered_hf_tensors(
+            dict(self.module.named_parameters()), self.shape, self.tp_group
+        )
+        if self.mtp is not None:
+            yield from mtp_mcore_to_hf(dict(self.mtp.named_parameters()), self.shape, self.tp_group)
 
     def hf_grads(self) -> dict[str, torch.Tensor]:
         """The accumulated gradients under HF names, full tensors (collective over TP)."""
-        grads = {
-            n: (p.grad if p.grad is not None else torch.zeros_like(p))
-            for n, p in self.module.named_parameters()
-        }
-        return dict(convert.gathered_hf_tensors(grads, self.shape, self.tp_group))
+
+        def grads(module):
+            return {
+                n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in module.named_parameters()
+            }
+
+        out = dict(convert.gathered_hf_tensors(grads(self.module), self.shape, self.tp_group))
+        if self.mtp is not None:
+            out.update(mtp_mcore_to_hf(grads(self.mtp), self.shape, self.tp_group, grads=True))
+        return out
 
     def export_buckets(self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")):
         """Weights for the rollout sync in size-bounded buckets, ``(kind, [(hf_name, tensor), ...])``,
-        as :meth:`areal_npu.train.fsdp2.FSDPEngine.export_buckets` (``mtp``: no head, nothing).
-        Collective over the TP group."""
+        as :meth:`areal_npu.train.fsdp2.FSDPEngine.export_buckets`: ``policy`` buckets, then the
+        head's ``mtp.*`` (a bucket holds one kind: vLLM loads the drafter apart). Collective over TP."""
         unknown = sorted(set(kinds) - {"policy", "mtp", "vision"})
         if unknown:
             raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp or vision")
-        if "policy" not in kinds:
-            return
-        for bucket in convert.export_buckets(self.full_state_dict(), bucket_bytes):
-            yield "policy", bucket
+        if "policy" in kinds:
+            named = dict(self.module.named_parameters())
+            policy = convert.gathered_hf_tensors(named, self.shape, self.tp_group)
+            for bucket in convert.export_buckets(policy, bucket_bytes):
+                yield "policy", bucket
+        if "mtp" in kinds and self.mtp is not None:
+            head = mtp_mcore_to_hf(dict(self.mtp.named_parameters()), self.shape, self.tp_group)
+            for bucket in convert.export_buckets(head, bucket_bytes):
+                yield "mtp", bucket
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, root, extra: dict | None = None, tokenizer=None, keep_last: int = 2):
@@ -379,12 +448,3 @@ class MegatronEngine:
         from areal_npu.train.megatron.checkpoint import write_hf_checkpoint
 
         return write_hf_checkpoint(self, out_dir, tokenizer)
-
-
-def check_mtp(mtp_config: MTPConfig) -> None:
-    """The Megatron engine trains no MTP head yet (refused before any work, naming the key)."""
-    if mtp_config.enabled:
-        raise ConfigError(
-            "mtp.enabled", "the Megatron engine does not train an MTP head yet; set mtp.enabled=false or use "
-            "train.backend=fsdp2",
-        )  # fmt: skip

@@ -104,15 +104,31 @@ def gpt_shape(hf_config) -> GPTShape:
 
 
 def check_divisible(shape: GPTShape, tp_size: int) -> None:
-    """TP shards heads, query groups, the FFN and the vocabulary: each must divide evenly."""
+    """TP shards query heads, the FFN and the vocabulary: each must divide evenly. KV heads (query
+    groups) may be fewer than TP ranks when ``tp_size`` is a multiple of them (Megatron-Core 0.16.1
+    ``TransformerConfig`` accepts either way round): the fused ``linear_qkv`` is still split evenly
+    by rows, and ``SelfAttention.get_query_key_value_tensors`` all-gathers its output over TP and
+    keeps its own group's key/value (replicated in compute) and its ``Hq / tp`` query heads; so the
+    fused rows ``(Hq + 2 G) d`` must divide by ``tp_size`` too."""
     for what, n in (
         ("num_attention_heads", shape.num_heads),
-        ("num_key_value_heads", shape.num_query_groups),
         ("intermediate_size", shape.ffn_hidden_size),
         ("vocab_size", shape.vocab_size),
     ):
         if n % tp_size:
             raise ValueError(f"{what}={n} is not divisible by tp_size={tp_size}")
+    groups = shape.num_query_groups
+    if groups % tp_size and tp_size % groups:
+        raise ValueError(
+            f"num_key_value_heads={groups} and tp_size={tp_size}: one must be a multiple of the other "
+            "(KV heads split over TP ranks, or each KV head replicated on tp_size / num_key_value_heads ranks)"
+        )
+    rows = (shape.num_heads + 2 * groups) * shape.head_dim
+    if rows % tp_size:
+        raise ValueError(
+            f"the fused QKV rows (num_attention_heads + 2 num_key_value_heads) * head_dim = {rows} "
+            f"are not divisible by tp_size={tp_size}"
+        )
 
 
 def check_layout(hf_config, tp_size: int, pp_size: int = 1) -> None:
@@ -132,8 +148,11 @@ def transformer_config(
     cp_size: int = 1,
     dtype: torch.dtype = torch.float32,
     cpu_init: bool = True,
+    sequence_parallel: bool = False,
+    **overrides,
 ):
-    """Megatron ``TransformerConfig`` equal in function to the HF Qwen3 config.
+    """Megatron ``TransformerConfig`` equal in function to the HF Qwen3 config (``overrides``: more
+    ``TransformerConfig`` fields, e.g. the MTP layer's ``attention_output_gate``).
 
     Qwen3 layer: ``x + o(attn(rope(q_norm(q)), rope(k_norm(k)), v))`` with pre-RMSNorm, then
     ``x + down(silu(gate(n(x))) * up(n(x)))``; Megatron: qk_layernorm, gated_linear_unit with silu,
@@ -163,7 +182,7 @@ def transformer_config(
         tensor_model_parallel_size=tp_size,
         context_parallel_size=cp_size,
         pipeline_model_parallel_size=1,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=cpu_init,
@@ -175,24 +194,60 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        **overrides,
     )
 
 
+class TorchRMSNorm:
+    """Megatron's ``WrappedTorchNorm`` (``torch.nn.RMSNorm``) minus its refusal of sequence
+    parallelism. The refusal is about gradients, not the maths: under sequence parallelism a norm
+    sees only its rank's share of the tokens, so its weight gradient is a partial sum over TP.
+    Megatron marks such weights ``sequence_parallel`` and all-reduces them in
+    ``finalize_model_grads``; this norm marks them the same way and the engine all-reduces them."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise NotImplementedError("TorchRMSNorm is a plain RMSNorm (no zero-centred gamma)")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
 def layer_spec():
-    """Megatron's local GPT layer spec (qk RMSNorm) with :class:`PackedCoreAttention` as core attention."""
+    """Megatron's local GPT layer spec (qk RMSNorm) with :class:`PackedCoreAttention` as core
+    attention and :class:`TorchRMSNorm` as every norm."""
     import_megatron()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from areal_npu.train.megatron.attention import PackedCoreAttention
 
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = PackedCoreAttention
+    attention.q_layernorm = attention.k_layernorm = TorchRMSNorm
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     return spec
 
 
-def build_gpt_model(hf_config, *, tp_size: int = 1, cp_size: int = 1, dtype=torch.float32, device=None):
+def block_spec(num_layers: int):
+    """The decoder: :func:`layer_spec` per layer and a :class:`TorchRMSNorm` final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    return TransformerBlockSubmodules(layer_specs=[layer_spec()] * num_layers, layer_norm=TorchRMSNorm)
+
+
+def build_gpt_model(
+    hf_config,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    dtype=torch.float32,
+    device=None,
+    sequence_parallel: bool = False,
+):
     """An uninitialised ``GPTModel`` for ``hf_config`` on ``device`` (load weights with
-    :func:`areal_npu.train.megatron.convert.load_hf_weights`). Needs :func:`init_parallel_state`."""
+    :func:`areal_npu.train.megatron.convert.load_hf_weights`). Needs :func:`init_parallel_state`.
+    ``sequence_parallel``: the decoder's output is this TP rank's share of the tokens."""
     from areal_npu.platform import current_platform
 
     platform = current_platform()
@@ -201,12 +256,17 @@ def build_gpt_model(hf_config, *, tp_size: int = 1, cp_size: int = 1, dtype=torc
     from megatron.core.models.gpt import GPTModel
 
     cfg = transformer_config(
-        hf_config, tp_size=tp_size, cp_size=cp_size, dtype=dtype, cpu_init=platform.device_type == "cpu"
+        hf_config,
+        tp_size=tp_size,
+        cp_size=cp_size,
+        dtype=dtype,
+        cpu_init=platform.device_type == "cpu",
+        sequence_parallel=sequence_parallel,
     )
     shape = gpt_shape(hf_config)
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=block_spec(shape.num_layers),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=True,
@@ -220,10 +280,13 @@ def build_gpt_model(hf_config, *, tp_size: int = 1, cp_size: int = 1, dtype=torc
     return model.to(device=device or platform.current_device())
 
 
-def decoder_hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Tensor, packed_seq_params):
+def decoder_hidden_states(
+    model, input_ids: torch.Tensor, position_ids: torch.Tensor, packed_seq_params, with_rotary: bool = False
+):
     """Final-norm hidden states ``[t, H]`` of one packed row (``input_ids`` ``[t]``, this rank's
     tokens): ``GPTModel.forward`` up to (not including) the output layer, so the engine computes
-    log-probs with its own chunked, vocab-parallel kernel instead of materialising ``[t, V]`` logits."""
+    log-probs with its own chunked, vocab-parallel kernel instead of materialising ``[t, V]`` logits.
+    ``with_rotary``: also the RoPE table the decoder used (the MTP layer reuses it)."""
     out = model._preprocess(
         input_ids=input_ids[None], position_ids=position_ids[None], packed_seq_params=packed_seq_params
     )
@@ -237,4 +300,6 @@ def decoder_hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Te
         packed_seq_params=packed_seq_params,
         sequence_len_offset=sequence_len_offset,
     )
+    if with_rotary:
+        return hidden[:, 0], rotary_pos_emb
     return hidden[:, 0]  # [t, 1, H] -> [t, H]

@@ -85,3 +85,23 @@ def to_megatron(
         cp_size=cp_size,
         cp_rank=cp_rank,
     )
+
+
+def check_same_samples(samples, group) -> None:
+    """The TP x CP ranks of one model replica (``group``) must hold the same batch (a cheap
+    fingerprint: count, tokens, sum of ids), or their collectives would mix different batches."""
+    import torch.distributed as dist
+
+    from areal_npu.train.dist import reduce_floats
+
+    if dist.get_world_size(group) == 1:
+        return
+    ids_sum = sum(int(s.input_ids.sum()) for s in samples)
+    mine = [float(len(samples)), float(sum(len(s) for s in samples)), float(ids_sum)]
+    hi = reduce_floats(mine, dist.ReduceOp.MAX, group)
+    lo = [-x for x in reduce_floats([-x for x in mine], dist.ReduceOp.MAX, group)]
+    if hi != lo:
+        raise ValueError(
+            "the tensor/context-parallel ranks of one replica were given different samples; "
+            "give every rank of a TP x CP group its data-parallel rank's share"
+        )

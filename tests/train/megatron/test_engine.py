@@ -160,5 +160,7 @@ def test_options_it_cannot_honour_are_refused():
     ):
         with pytest.raises(ConfigError, match=key):
             MegatronEngine(config, hf.state_dict(), TrainEngineConfig(backend="megatron", **kwargs))
-    with pytest.raises(ConfigError, match="mtp.enabled"):
-        MegatronEngine(config, hf.state_dict(), megatron_config(), mtp_config=MTPConfig(enabled=True, train=True))
+    with pytest.raises(ConfigError, match="mtp.num_depths"):  # more in test_mtp.py
+        MegatronEngine(
+            config, hf.state_dict(), megatron_config(), mtp_config=MTPConfig(enabled=True, num_depths=2)
+        )

@@ -2,9 +2,9 @@
 (under HF names) and the weights after an optimizer step; the vocab-parallel log-prob kernel on a
 sharded head equals the unsharded reference, gradients included.
 
-What gloo cannot do, and so is not tested here: sequence parallelism (reduce-scatter; the engine
-refuses it), Megatron's own CP attention (Transformer Engine's ring attention, CUDA only) -- the
-engine's CP attention is the all-gather form in ``attention.py``, which is what runs here.
+Not tested here: Megatron's own CP attention (Transformer Engine's ring attention, CUDA only) -- the
+engine's CP attention is the all-gather form in ``attention.py``, which is what runs here. Sequence
+parallelism and TP beyond the KV heads (gloo's reduce-scatter, torch >= 2.13): ``test_tp_kv_replicated.py``.
 """
 
 import pytest

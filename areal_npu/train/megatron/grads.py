@@ -1,0 +1,46 @@
+"""Gradient norms and clipping over TP shards, one parameter group at a time.
+
+The engine clips the policy and the MTP head apart (as the FSDP2 engine does): a joint clip would
+let the head's gradient rescale the policy's update, breaking the head's isolation from the
+backbone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_groups", "sharded_grad_norm"]
+
+
+def sharded_grad_norm(named_params: Iterable, tp_sharded: set[str], tp_group=None, device=None) -> float:
+    """Global L2 norm of the gradients: TP-sharded parameters (``tp_sharded`` names) summed over
+    ``tp_group``, replicated ones (norms) counted once."""
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        sq = p.grad.double().pow(2).sum()
+        if name in tp_sharded:
+            sharded += sq
+        else:
+            replicated += sq
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sharded, group=tp_group)
+    return float((sharded + replicated).sqrt())
+
+
+def clip_groups(groups: Iterable[tuple[float, Iterable[torch.nn.Parameter]]], clip: float) -> None:
+    """Scale each group's gradients by ``clip / (norm + 1e-6)`` where its ``norm`` exceeds ``clip``
+    (``torch.nn.utils.clip_grad_norm_``'s coefficient); ``clip <= 0``: no clipping."""
+    if clip <= 0:
+        return
+    for norm, params in groups:
+        if norm > clip:
+            scale = clip / (norm + 1e-6)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)

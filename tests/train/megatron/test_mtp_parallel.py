@@ -1,0 +1,78 @@
+"""The Megatron engine's MTP head on TP=2 with sequence parallelism over two gloo ranks equals one
+process: MTP loss and accuracy, PPO loss, every gradient (policy and ``mtp.*``, HF names), both
+groups' norms and the weights after an optimizer step. The head's layer is TP-sharded (gated QKV by
+query groups, ``eh_proj`` by rows), its embedding lookup and loss run on the vocabulary shards."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
+from areal_npu.data.packing import PackingConfig  # noqa: E402
+from areal_npu.model.mtp import MTPConfig, Qwen35MTP, init_mtp_weights  # noqa: E402
+from areal_npu.platform import current_platform  # noqa: E402
+from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.losses import PPOLoss  # noqa: E402
+from areal_npu.train.optim import OptimConfig  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
+
+
+def _run(tp):
+    from areal_npu.train.megatron.engine import MegatronEngine
+
+    config, hf = tiny_qwen3()
+    head = Qwen35MTP(config, 1)
+    g = torch.Generator().manual_seed(11)
+    init_mtp_weights(head, std=0.08, generator=g)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 1:  # zero-centred norms away from 0
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    cfg = megatron_config(
+        tp, packing=PackingConfig(max_tokens_per_mb=24), optim=OptimConfig(lr=1e-2, grad_clip=0.5, eps=1e-3)
+    )
+    cfg.megatron.sequence_parallel = tp > 1
+    mtp = MTPConfig(enabled=True, num_depths=1, loss_scale=0.3, lr_scale=0.5)
+    engine = MegatronEngine.from_hf_model(hf, cfg, mtp=head, mtp_config=mtp)
+    samples = make_samples(6)
+    for s, lp in zip(samples, engine.compute_logprobs(samples)):
+        s.prox_logp = lp
+    stats = engine.forward_backward(samples, PPOLoss())
+    grads = engine.hf_grads()
+    mtp_norm = engine.grad_norm(mtp=True)
+    stats.update(engine.optimizer_step())
+    return {"stats": stats, "grads": grads, "mtp_norm": mtp_norm, "weights": dict(engine.full_state_dict())}
+
+
+def _worker(rank, path, init_file):
+    init_distributed(rank, 2, f"file://{init_file}")
+    out = _run(2)
+    if rank == 0:
+        torch.save(out, path)
+
+
+@pytest.mark.skipif(
+    current_platform().device_type != "cpu" and current_platform().device_count() < 2,
+    reason="two ranks need two accelerators on this machine",
+)
+def test_mtp_on_tp2_with_sequence_parallel_equals_one_process(tmp_path):
+    mp.start_processes(
+        _worker,
+        args=(str(tmp_path / "out.pt"), str(tmp_path / "rdv")),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    two = torch.load(tmp_path / "out.pt", weights_only=False)
+    init_distributed()
+    one = _run(1)
+    for key in ("mtp/loss", "mtp/loss_d1", "mtp/acc_d1", "mtp/n_d1", "ppo/loss", "train/grad_norm"):
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
+    assert one["stats"]["mtp/loss"] > 0 and two["mtp_norm"] == pytest.approx(one["mtp_norm"], rel=1e-5)
+    assert sorted(two["grads"]) == sorted(one["grads"]) and any(n.startswith("mtp.") for n in one["grads"])
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)

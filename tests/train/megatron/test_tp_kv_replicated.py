@@ -1,0 +1,139 @@
+"""TP larger than the KV heads, with sequence parallelism: a tiny Qwen3 with one KV head (four query
+heads) on TP=2 with ``sequence_parallel`` over two gloo ranks equals the same model in one process --
+logits, log-probs, PPO loss, gradients (HF names), weights after an optimizer step -- and its HF
+export before any step is the original checkpoint. (One two-process run covers both features:
+each spawn costs tens of seconds of CI.)
+
+Megatron-Core 0.16.1 (``SelfAttention.get_query_key_value_tensors``) still splits the fused QKV weight
+evenly by rows; each rank all-gathers the QKV *output* over TP, keeps its group's key/value (so the
+KV head is replicated in compute, not in the weights) and its own query heads. The backward of that
+all-gather is a reduce-scatter, which gloo runs in this torch (2.13).
+
+Sequence parallelism: norms, residuals and the embedding output hold this rank's half of the packed
+tokens; ``linear_qkv`` / ``linear_fc1`` all-gather their input, ``linear_proj`` / ``linear_fc2``
+reduce-scatter their output (gloo has both collectives here), the norms' weight gradients are
+partial over TP (all-reduced by the engine), and the decoder output is all-gathered before the
+vocabulary-parallel head.
+"""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
+from areal_npu.data.packing import PackingConfig  # noqa: E402
+from areal_npu.platform import current_platform  # noqa: E402
+from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.losses import PPOLoss  # noqa: E402
+from areal_npu.train.optim import OptimConfig  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
+
+ONE_KV_HEAD = dict(num_attention_heads=4, num_key_value_heads=1)
+
+
+def _engine(tp):
+    from areal_npu.train.megatron.engine import MegatronEngine
+
+    _, hf = tiny_qwen3(**ONE_KV_HEAD)
+    cfg = megatron_config(
+        tp, packing=PackingConfig(max_tokens_per_mb=24), optim=OptimConfig(lr=1e-2, grad_clip=0.05, eps=1e-3)
+    )
+    cfg.megatron.sequence_parallel = tp > 1
+    return MegatronEngine.from_hf_model(hf, cfg), hf
+
+
+@torch.no_grad()
+def _full_logits(engine, seqs):
+    """Per-sequence logits of the model's own output layer, vocabulary shards gathered over TP."""
+    import torch.distributed as dist
+
+    from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
+    from areal_npu.train.megatron.model import decoder_hidden_states
+    from areal_npu.train.megatron.packing import to_megatron
+
+    batch = pack_sequences(seqs, alignment=engine.config.packing.alignment)
+    mb = to_megatron(batch, {}, 1, 0, engine.cp_group)
+    engine.module.eval()
+    local = engine.module(mb.input_ids[None], mb.position_ids[None], None, packed_seq_params=mb.params)[0]
+    tp = engine.config.megatron.tp_size
+    hidden = decoder_hidden_states(engine.module, mb.input_ids, mb.position_ids, mb.params)
+    assert hidden.shape[0] * tp == len(mb.input_ids)  # sequence parallel: this rank's share of the tokens
+    if tp > 1:
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local.contiguous(), group=engine.tp_group)
+        local = torch.cat(parts, dim=-1)
+    return unpack_per_token(local, batch)
+
+
+def _run(tp):
+    engine, hf = _engine(tp)
+    exported = {n: t.clone() for n, t in engine.full_state_dict()}  # replicated ones alias the params
+    samples = make_samples(6)
+    logits = _full_logits(engine, [s.input_ids for s in make_samples(3, seed=5)])
+    prox = engine.compute_logprobs(samples)
+    for s, lp in zip(samples, prox):
+        s.prox_logp = lp
+    stats = engine.forward_backward(samples, PPOLoss())
+    grads = engine.hf_grads()
+    stats.update(engine.optimizer_step())
+    return {
+        "original": hf.state_dict(),
+        "exported": exported,
+        "logits": logits,
+        "prox": prox,
+        "stats": stats,
+        "grads": grads,
+        "weights": dict(engine.full_state_dict()),
+    }
+
+
+def _worker(rank, path, init_file):
+    init_distributed(rank, 2, f"file://{init_file}")
+    out = _run(2)
+    if rank == 0:
+        torch.save(out, path)
+
+
+def test_layout_check_accepts_tp_a_multiple_of_kv_heads():
+    """Megatron's rule: KV heads a multiple *or* a divisor of TP; query heads split evenly."""
+    from areal_npu.train.megatron.model import check_layout
+
+    config, _ = tiny_qwen3(**ONE_KV_HEAD)
+    check_layout(config, 2)
+    check_layout(config, 4)
+    config3, _ = tiny_qwen3(num_attention_heads=6, num_key_value_heads=3, head_dim=8)
+    with pytest.raises(ValueError, match="num_key_value_heads=3 and tp_size=2"):
+        check_layout(config3, 2)  # 6 query heads split, but 3 KV heads neither split nor replicate
+
+
+@pytest.mark.skipif(
+    current_platform().device_type != "cpu" and current_platform().device_count() < 2,
+    reason="two ranks need two accelerators on this machine",
+)
+def test_tp2_with_one_kv_head_and_sequence_parallel_equals_one_process(tmp_path):
+    mp.start_processes(
+        _worker,
+        args=(str(tmp_path / "out.pt"), str(tmp_path / "rdv")),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    two = torch.load(tmp_path / "out.pt", weights_only=False)
+    init_distributed()
+    one = _run(1)
+    assert sorted(two["exported"]) == sorted(two["original"])
+    for name, tensor in two["original"].items():  # a no-op round trip through the TP shards
+        torch.testing.assert_close(two["exported"][name], tensor, rtol=0, atol=0, msg=name)
+    for got, want in zip(two["logits"], one["logits"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(two["prox"], one["prox"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert two["stats"]["ppo/loss"] == pytest.approx(one["stats"]["ppo/loss"], rel=1e-5)
+    assert two["stats"]["train/grad_norm"] == pytest.approx(one["stats"]["train/grad_norm"], rel=1e-5)
+    assert sorted(two["grads"]) == sorted(one["grads"])
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
