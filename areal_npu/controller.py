@@ -5,6 +5,13 @@
     trainer:    B groups -> GRPO advantages -> proximal log-probs -> decoupled PPO (+ MTP) step
                 -> push policy AND draft weights (pause, update, version+1, resume) -> metrics
 
+Faults: a group whose workflow raises is dropped; ``controller.max_workflow_failures`` of them in a
+row stop the run (:class:`WorkflowFailed`, after a checkpoint of the last trained step) instead of
+leaving the trainer waiting for a batch that never fills. An engine that dies is restarted by the
+client, which re-issues its requests and, through :meth:`RLController.resync_engine`, brings it to
+the weights the others serve; its tokens carry the version it really holds (the checkpoint it
+restarted from until then), so the staleness check at consumption judges them honestly.
+
 Phase times are measured every step (:data:`areal_npu.names.PHASES`): T_gen (waiting for the
 batch), T_prox, T_train, T_sync; and the workflows' time (``reward``, a side phase).
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +48,10 @@ class ControllerConfig:
     checkpoint_every: int = 5  # 0: only at the end
     eval_every: int = 0  # held-out eval (one sample per prompt) every N steps, before step 0 and at the end; 0: off
     eval_size: int = 128  # held-out prompts per eval (from the task's eval split)
+    # the run stops (checkpoint, error, non-zero exit) after this many groups in a row whose workflow
+    # raised; a group that finishes resets the count. Above max_concurrent_groups, so one engine
+    # failure that fails every group in flight does not stop the run
+    max_workflow_failures: int = 64
 
     def validate(self) -> None:
         for key in ("steps", "batch_groups", "max_concurrent_groups"):
@@ -51,6 +63,26 @@ class ControllerConfig:
             raise ValueError("checkpoint_every must be >= 0")
         if self.eval_every < 0 or self.eval_size < 1:
             raise ValueError("eval_every must be >= 0 and eval_size >= 1")
+        if self.max_workflow_failures < 1:
+            raise ValueError("max_workflow_failures must be >= 1 (a failing workflow stops the run)")
+
+
+class WorkflowFailed(RuntimeError):
+    """The workflow raised on ``controller.max_workflow_failures`` groups in a row: the run stops
+    instead of generating and dropping groups forever (the trainer would wait for a batch that
+    never fills). Names the last exception and the frame that raised it."""
+
+    def __init__(self, failures: int, budget: int, exc: BaseException, saved: str | None = None):
+        self.failures, self.budget, self.exc = failures, budget, exc
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+        stop = " -- the run stops"
+        if saved:
+            stop += f"; the trainer's {saved} (--resume continues from it)"
+        super().__init__(
+            f"the workflow failed on {failures} groups in a row (controller.max_workflow_failures={budget}); "
+            f"the last: {type(exc).__name__}: {exc}{where}{stop}"
+        )
 
 
 class RLController:
@@ -104,6 +136,9 @@ class RLController:
         self.version_event = asyncio.Event()
         self.in_flight: set[asyncio.Task] = set()
         self.failures = 0
+        self.failures_in_a_row = 0
+        self.fatal: BaseException | None = None  # stops the trainer at its next wait (next_batch)
+        self.saved_step: int | None = None  # the step of the last checkpoint written
         self.reward_time = 0.0
         self.order = list(range(len(tasks)))
         random.Random(seed).shuffle(self.order)
@@ -124,20 +159,24 @@ class RLController:
         start = time.perf_counter()
         try:
             group = await workflow.run(task, self.client, group_id=index)
-        except Exception as exc:  # noqa: BLE001 - one failed group must not stop the run
+        except Exception as exc:  # noqa: BLE001 - one failed group must not stop the run; many in a row do
             self.failures += 1
+            self.failures_in_a_row += 1
             self.gate.drop()
             self.logger.print(f"group {index} failed and is dropped: {exc}")
+            if self.failures_in_a_row >= self.cfg.max_workflow_failures and self.fatal is None:
+                self._stop(WorkflowFailed(self.failures_in_a_row, self.cfg.max_workflow_failures, exc))
             self.version_event.set()
             return
+        self.failures_in_a_row = 0
         self.reward_time += time.perf_counter() - start
         self.buffer.append((version, group))
         self.buffer_event.set()
 
     async def produce(self, workflow) -> None:
         limit = self.cfg.max_concurrent_groups
-        while True:
-            while self.gate.can_admit(self.version) and len(self.in_flight) < limit:
+        while self.fatal is None:
+            while self.gate.can_admit(self.version) and len(self.in_flight) < limit and self.fatal is None:
                 self.gate.admit()
                 task = asyncio.create_task(self._run_group(workflow, self.next_task, self.version))
                 self.next_task += 1
@@ -150,12 +189,25 @@ class RLController:
         self.in_flight.discard(task)
         self.version_event.set()
 
+    def _stop(self, error: BaseException) -> None:
+        """Make the trainer raise ``error`` at its next wait for groups; the producer stops admitting."""
+        self.fatal = error
+        self.buffer_event.set()
+
+    def _producer_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self.fatal is None:
+            self._stop(task.exception())  # a crashed producer would leave the trainer waiting forever
+
     # ---- trainer --------------------------------------------------------------------------------
     async def next_batch(self, step: int) -> tuple[list[list[Trajectory]], dict]:
         groups: list[list[Trajectory]] = []
         stale_dropped = 0
         while len(groups) < self.cfg.batch_groups:
+            if self.fatal is not None:
+                raise self.fatal
             while not self.buffer:
+                if self.fatal is not None:
+                    raise self.fatal
                 self.buffer_event.clear()
                 await self.buffer_event.wait()
             version, group = self.buffer.popleft()
@@ -222,6 +274,12 @@ class RLController:
         self.version_event.set()
         return time.perf_counter() - start
 
+    async def resync_engine(self, i: int) -> None:
+        """For ``RolloutClient(on_restart=...)``: a restarted engine serves the checkpoint it started
+        from; bring it to the weights the other engines serve (nothing to do before the first push)."""
+        if self.last_named is not None:
+            await self.weight_sync.resync(i, self.last_named, self.version, sync_draft=self.sync_draft)
+
     async def evaluate(self, workflow) -> dict[str, float]:
         """Mean reward of one sample (one episode) per held-out task under the weights the engines
         serve now. A task whose generation or grading fails is counted in ``eval/failed`` and left
@@ -282,7 +340,10 @@ class RLController:
                 eval_stats = await self.evaluate(workflow)  # the starting point, before any update
             t0 = time.perf_counter()
             self.reward_time = 0.0
-            groups, stats = await self.next_batch(step)
+            try:
+                groups, stats = await self.next_batch(step)
+            except WorkflowFailed as exc:
+                raise await self._stopped_by(exc, step) from exc.exc
             t_gen = time.perf_counter() - t0
             samples, batch_stats = self._samples(groups, step)
             stats.update(batch_stats)
@@ -318,14 +379,27 @@ class RLController:
                 await asyncio.to_thread(
                     self.engine.save_checkpoint, self.run_dir / "checkpoints", {"step": step}, self.tokenizer
                 )
+                self.saved_step = step
             self.logger.log(step, stats)
             history.append(stats)
             if on_step is not None:
                 on_step(step, stats)
         return history
 
+    async def _stopped_by(self, exc: WorkflowFailed, step: int) -> WorkflowFailed:
+        """``exc`` with where the trainer's last weights were saved: a checkpoint of the last step
+        trained in this run (written now unless the step's own checkpoint holds it)."""
+        last = step - 1
+        if last < self.start_step:
+            return exc
+        checkpoints = self.run_dir / "checkpoints"
+        if self.saved_step != last:
+            await asyncio.to_thread(self.engine.save_checkpoint, checkpoints, {"step": last}, self.tokenizer)
+        return WorkflowFailed(exc.failures, exc.budget, exc.exc, saved=f"step {last} under {checkpoints}")
+
     async def run(self, workflow, on_step=None) -> list[dict]:
         producer = asyncio.create_task(self.produce(workflow))
+        producer.add_done_callback(self._producer_done)
         try:
             return await self.train(on_step, workflow)
         finally:

@@ -320,9 +320,19 @@ class RolloutClient:
         return [d["version"] for d in await self._all(lambda i: self._get_json(i, "/areal/version"))]
 
     async def counters(self) -> SpecCounters:
-        """Cumulative acceptance counters summed over engines."""
+        """Cumulative acceptance counters summed over the engines that answer. An engine that is down
+        (restarting after a failure) is left out rather than failing the trainer's step: its
+        counters start again from 0 anyway, which the tracker's deltas treat as a restart."""
         total = SpecCounters(time=time.time())
-        for d in await self._all(lambda i: self._get_json(i, "/areal/metrics")):
+        answers = await asyncio.gather(
+            *(self._get_json(i, "/areal/metrics") for i in range(len(self.engines))), return_exceptions=True
+        )
+        for i, d in enumerate(answers):
+            if isinstance(d, EngineFailure):
+                logger.warning("engine %d left out of this step's counters: %s", i, d)
+                continue
+            if isinstance(d, BaseException):
+                raise d
             total = total + SpecCounters.from_dict(d)
         total.time = time.time()
         return total

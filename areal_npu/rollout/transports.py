@@ -246,26 +246,62 @@ class BroadcastTransport:
 
 
 class WeightSync:
-    """A step's weight sync through ``transport``, with restarts and bounded retries."""
+    """A step's weight sync through ``transport``, with restarts and bounded retries.
+
+    Updates are serialized: a push and the re-sync of an engine restarted outside it never interleave
+    on one engine (two open sessions would mix their buckets). An engine restarted *during* a push
+    (the client's generation counter moved after the try that reached it) serves its start
+    checkpoint again, so the push sends it the new version once more before it returns; a re-sync
+    asked for meanwhile is left to the push -- waiting for it would deadlock, since the client
+    re-syncs while holding that engine's restart lock and the push may need the same lock."""
 
     def __init__(self, transport: WeightTransport, client, retries: int = 2):
         self.transport = transport
         self.client = client
         self.retries = retries
+        self.current: tuple[list, int, bool] | None = None  # the last weights every engine committed
+        self._lock = asyncio.Lock()
+        self._pushes = 0  # pushes waiting for or holding the lock
+
+    @property
+    def pushing(self) -> bool:
+        """A push waits for the sync or runs: re-syncs asked for now are left to it."""
+        return self._pushes > 0
+
+    def _generations(self) -> list[int] | None:
+        generation = getattr(self.client, "generation", None)
+        return None if generation is None else list(generation)
 
     async def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, *, sync_draft: bool = True) -> dict:
         """``named_tensors`` (a list: every try sends it again) as ``version`` to every engine. After
         a failed try, the failed engines that are down are restarted (the client's restart, without
-        its own re-sync), and the failed engines -- restarted or not -- get the whole update again.
-        Raises :class:`WeightSyncFailed` after ``1 + retries`` tries."""
+        its own re-sync), and the failed engines -- restarted or not -- get the whole update again,
+        as do engines restarted after they committed. Raises :class:`WeightSyncFailed` after
+        ``1 + retries`` tries."""
+        self._pushes += 1
+        try:
+            async with self._lock:
+                result = await self._push(named_tensors, version, sync_draft)
+                self.current = (named_tensors, version, sync_draft)
+                return result
+        finally:
+            self._pushes -= 1
+
+    async def _push(self, named_tensors, version: int, sync_draft: bool) -> dict:
         pending: list[int] | None = None
         failures: list[str] = []
         restarted: list[int] = []
+        synced_at: dict[int, int] = {}  # engine -> its restart count when it committed ``version``
         for _ in range(self.retries + 1):
+            before = self._generations()
             try:
-                result = await self.transport.update(named_tensors, version, sync_draft=sync_draft, engines=pending)
+                result = await self.transport.update(
+                    named_tensors, version, sync_draft=sync_draft, engines=pending
+                )
             except WeightSyncError as exc:
                 failures.append(str(exc))
+                if before is not None:
+                    synced_at.update({i: before[i] for i in exc.committed})
                 pending = sorted(exc.failed)
                 for i in pending:
                     try:
@@ -274,12 +310,31 @@ class WeightSync:
                     except Exception as restart_error:  # noqa: BLE001 - counted as this try's failure
                         failures[-1] += f"; restarting engine {i} failed: {restart_error}"
                 continue
-            return result | {"tries": len(failures) + 1, "failures": failures, "restarted": restarted}
+            if before is None:
+                return result | {"tries": len(failures) + 1, "failures": failures, "restarted": restarted}
+            synced_at.update({i: before[i] for i in result.get("engines", range(len(before)))})
+            now = self._generations()
+            lost = sorted(i for i, seen in synced_at.items() if now[i] != seen)
+            if not lost:
+                return result | {"tries": len(failures) + 1, "failures": failures, "restarted": restarted}
+            failures.append(f"engine(s) {lost} restarted during the sync: they serve their start checkpoint")
+            pending = lost
         raise WeightSyncFailed(version, failures, self.retries)
 
     async def resync(self, engine: int, named_tensors, version: int, *, sync_draft: bool = True) -> dict:
-        """Bring one engine (restarted outside a sync) to ``version``."""
-        return await self.transport.update(named_tensors, version, sync_draft=sync_draft, engines=[engine])
+        """Bring one engine (restarted outside a sync) to the newest weights every engine committed
+        (``named_tensors`` / ``version`` unless a push since brought newer). During a push: nothing
+        here, the push re-sends to engines restarted under it."""
+        while self._pushes or self._lock.locked():
+            if self._pushes:
+                return {"version": version, "deferred": True, "engines": [engine]}
+            await asyncio.sleep(0.05)  # another re-sync: no push waits, so polling cannot deadlock
+        async with self._lock:
+            if self.current is not None and self.current[1] > version:
+                named_tensors, version, sync_draft = self.current
+            return await self.transport.update(
+                named_tensors, version, sync_draft=sync_draft, engines=[engine]
+            )
 
 
 def make_transport(cfg, client, *, sender_addr: str | None = None) -> WeightTransport:
