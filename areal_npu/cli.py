@@ -61,12 +61,21 @@ def cmd_train(args: argparse.Namespace) -> int:
             step_estimate.render(estimates)
         return 0
     from areal_npu.platform import use_device
-    from areal_npu.run import run_rl
+    from areal_npu.run import run_rl, torchrun_command
 
     try:  # validated above; the trainer and every engine it starts compute there
         use_device(cfg.device)
     except ValueError as exc:
         raise ConfigError("device", str(exc)) from None
+    # several trainer ranks (train.dp_size): this process becomes torchrun, which starts one per rank
+    command = torchrun_command(
+        cfg, ["train", args.recipe, *args.overrides, *(["--resume"] if args.resume else [])]
+    )
+    if command is not None:
+        import os
+
+        sys.stdout.flush()
+        os.execv(command[0], command)
 
     summary = run_rl(cfg, resume=args.resume)
     print(json.dumps(summary))

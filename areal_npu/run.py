@@ -36,10 +36,8 @@ async def _run_loop(
     async def on_restart(i: int) -> None:
         # A restarted engine serves the checkpoint it was started from: bring it to the current weights.
         controller = controller_ref.get("c")
-        if controller is not None and controller.last_named is not None:
-            await controller.weight_sync.resync(
-                i, controller.last_named, controller.version, sync_draft=controller.sync_draft
-            )
+        if controller is not None:
+            await controller.resync_engine(i)
 
     client = RolloutClient.from_config(rollout_cfg, engines, on_restart=on_restart)
     try:
@@ -59,6 +57,24 @@ async def _run_loop(
         await client.aclose()
 
 
+def torchrun_command(cfg: RLConfig, argv: list[str]) -> list[str] | None:
+    """The command that starts this run's trainer ranks, when it needs several and this process is
+    not one of them yet: torchrun on this node, one process per rank of the layout, each running
+    ``areal-npu`` with ``argv`` (``train RECIPE ...``). ``None``: run here (one rank, or already
+    started by torchrun). Several nodes start torchrun themselves (``--nnodes``, ``--rdzv-endpoint``)."""
+    from areal_npu.placement import TrainerLayout
+    from areal_npu.train.factory import check_world_size
+
+    world = TrainerLayout.of(cfg.train).world_size
+    if world == 1 or "WORLD_SIZE" in os.environ:
+        return None
+    check_world_size(cfg.train, world)  # what a multi-rank run cannot do, refused before starting it
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            "-m", "areal_npu.cli", *argv]  # fmt: skip
+
+
 def _warn(message: str) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -66,71 +82,118 @@ def _warn(message: str) -> None:
     Console(stderr=True, soft_wrap=True).print(f"[yellow]warning:[/] {escape(message)}")
 
 
+def _base_policy(cfg: RLConfig, run_dir: Path, train_tasks, console, rank: int) -> Path:
+    """The checkpoint the engines start from: ``model.path`` or the tiny model (written by rank 0),
+    warm-started when ``warmstart.steps`` asks. The warm start runs SPMD on every rank: each takes
+    the same batches, and the engines' global normalisation makes that the 1-rank update; rank 0
+    writes the result, which every rank reads after the barrier."""
+    import torch.distributed as dist
+
+    from areal_npu.model.tiny import save_tiny_model
+    from areal_npu.train.warmstart import warm_start
+
+    base = Path(cfg.model.path) if cfg.model.path else run_dir / "base_model"
+    if not cfg.model.path and rank == 0:
+        save_tiny_model(base, cfg.model.tiny)
+    dist.barrier()
+    if not cfg.warmstart.steps:
+        return base
+    out = warm_start(
+        base, train_tasks, run_dir / "warmstart", console,
+        cfg=cfg.warmstart, train=cfg.train, mtp=cfg.mtp, seed=cfg.seed, workflow=cfg.workflow,
+    )  # fmt: skip
+    dist.barrier()
+    return out
+
+
 def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
-    """The whole job; returns a summary (start/end reward, steps, seconds)."""
+    """The whole job; returns a summary (start/end reward, steps, seconds).
+
+    Under torchrun (``WORLD_SIZE`` > 1) every trainer rank calls it: rank 0 starts the engines and
+    runs the controller, the other ranks follow it (:mod:`areal_npu.train.ranks`) and return
+    ``{"rank": r, "stopped_by": <rank 0's error or None>}``. On the CPU each rank first binds
+    itself to the cores the placement plan gives it."""
     from rich.console import Console
     from transformers import AutoTokenizer
 
     from areal_npu.agent.tasks import make_splits
     from areal_npu.metrics import StatsLogger
-    from areal_npu.model.tiny import save_tiny_model
     from areal_npu.rollout.launcher import launch_engines
+    from areal_npu.train import ranks
     from areal_npu.train.checkpoint import checkpoint_to_resume
     from areal_npu.train.dist import init_distributed
     from areal_npu.train.factory import build_engine, check_world_size
-    from areal_npu.train.warmstart import warm_start
 
-    console = Console()
     start_time = time.time()
     run_dir = Path(cfg.run_dir)
-    check_world_size(cfg.train, int(os.environ.get("WORLD_SIZE", 1)))  # the layout fits the trainer processes
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    check_world_size(cfg.train, world)  # the layout fits the trainer processes
+    console = Console(quiet=rank != 0)
+    machine_cores = os.sched_getaffinity(0)  # before this rank narrows it: the engines split these
+    if world > 1:
+        ranks.pin_trainer_cores(ranks.trainer_cores(cfg, rank))
     # verified before any work starts: a damaged checkpoint falls back or stops here (exit 2)
-    checkpoint = checkpoint_to_resume(run_dir / "checkpoints", warn=_warn) if resume else None
-    if not resume and (run_dir / "metrics.jsonl").exists():
+    warn = _warn if rank == 0 else (lambda _message: None)
+    checkpoint = checkpoint_to_resume(run_dir / "checkpoints", warn=warn) if resume else None
+    if not resume and (run_dir / "metrics.jsonl").exists():  # every rank: metrics.jsonl comes after init
         raise ConfigError(
             "run_dir", f"{run_dir} already holds a run: pass --resume, or choose another name/run_dir"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     init_distributed()
     train_tasks, eval_tasks = make_splits(cfg.task)
 
-    if checkpoint is not None:
-        policy_dir = checkpoint
-    else:
-        base = (
-            Path(cfg.model.path)
-            if cfg.model.path
-            else save_tiny_model(run_dir / "base_model", cfg.model.tiny)
-        )
-        policy_dir = base
-        if cfg.warmstart.steps:
-            policy_dir = warm_start(
-                base, train_tasks, run_dir / "warmstart", console,
-                cfg=cfg.warmstart, train=cfg.train, mtp=cfg.mtp, seed=cfg.seed, workflow=cfg.workflow,
-            )  # fmt: skip
+    policy_dir = (
+        checkpoint if checkpoint is not None else _base_policy(cfg, run_dir, train_tasks, console, rank)
+    )
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     engine = build_engine(cfg.train, policy_dir, cfg.mtp, tokenizer.pad_token_id)
     start_step = 0
+    extra = engine.load_checkpoint(checkpoint) if checkpoint is not None else None
+    leader = None
+    if world > 1:
+        channel = ranks.RankChannel()
+        if rank != 0:
+            return {"rank": rank, "stopped_by": ranks.follow(engine, channel)}
+        engine = leader = ranks.LeaderEngine(engine, channel, cfg.train.ppo_minibatches)
     logger = StatsLogger(run_dir, cfg.controller.steps)
-    if checkpoint is not None:
-        extra = engine.load_checkpoint(checkpoint)
+    if extra is not None:
         start_step = int(extra["step"]) + 1
         logger.truncate_after(int(extra["step"]))
         console.print(f"resumed from {checkpoint} at step {start_step} (weight version {engine.version})")
 
     rollout_cfg = dataclasses.replace(cfg.rollout, model=str(policy_dir), log_dir=str(run_dir / "engines"))
-    with console.status(f"starting {rollout_cfg.num_engines} vLLM engine(s) on {policy_dir.name}"):
-        engines = launch_engines(rollout_cfg)
+    engines = []
+    error = None
     try:
+        with console.status(f"starting {rollout_cfg.num_engines} vLLM engine(s) on {policy_dir.name}"):
+            with ranks.cpu_affinity(machine_cores if world > 1 else None):
+                engines = launch_engines(rollout_cfg)
         history = asyncio.run(
             _run_loop(
-                cfg, engine, tokenizer, train_tasks, eval_tasks, run_dir, logger, start_step, engines, rollout_cfg
+                cfg,
+                engine,
+                tokenizer,
+                train_tasks,
+                eval_tasks,
+                run_dir,
+                logger,
+                start_step,
+                engines,
+                rollout_cfg,
             )
         )
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
+        if leader is not None:
+            leader.stop(error)  # the followers return (with the error) instead of waiting
         for e in engines:
             e.stop()
         logger.close()

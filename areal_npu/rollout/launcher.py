@@ -274,6 +274,9 @@ def launch_engines(cfg: RolloutConfig, hosts: list[str] | None = None) -> list[E
         raise ValueError("model must name a checkpoint directory")
     if hosts is not None and len(hosts) != cfg.num_engines:
         raise ValueError(f"{len(hosts)} hosts for {cfg.num_engines} engines")
+    placed = ray_placed_engines(cfg)
+    if placed is not None:
+        return placed
     from concurrent.futures import ThreadPoolExecutor
 
     _install_handlers()  # from the main thread, before the start-up threads
@@ -291,6 +294,22 @@ def launch_engines(cfg: RolloutConfig, hosts: list[str] | None = None) -> list[E
             engine.stop()
         raise
     return engines
+
+
+#: Set by the Ray launcher (``placement/ray_launch.py``) for trainer rank 0 only: JSON naming the
+#: placement-group bundles its engines go into (``placement/ray_engines.py``).
+RAY_ENGINES_ENV = "AREAL_RAY_ENGINES"
+
+
+def ray_placed_engines(cfg: RolloutConfig) -> list | None:
+    """Under the Ray launcher, the engines started as Ray actors in the bundles it reserved
+    (objects with ``EngineProcess``'s interface); None when this process was not started by it."""
+    spec = os.environ.get(RAY_ENGINES_ENV)
+    if not spec:
+        return None
+    from areal_npu.placement.ray_engines import launch_ray_engines
+
+    return launch_ray_engines(cfg, json.loads(spec))
 
 
 def describe(engines: list[EngineProcess]) -> str:

@@ -57,18 +57,13 @@ def _prefixed(exc: ConfigError, prefix: str) -> ConfigError:
 
 def check_trainer(cfg) -> None:
     """What the run's train engine cannot do with the recipe ``cfg`` (an ``RLConfig``), as a
-    :class:`ConfigError` naming the key: more than one trainer rank, the loss, and for
+    :class:`ConfigError` naming the key: a batch the trainer ranks cannot share, the loss, and for
     ``train.backend: megatron`` everything its engine refuses (layout, dtype, MTP, the model, the
     divisibility of heads / KV heads / FFN / vocabulary by TP and of layers by PP)."""
     from areal_npu.train.losses import PPOLoss
 
     train = cfg.train
-    if train.dp_size > 1:
-        raise ConfigError(
-            "train.dp_size",
-            f"must be 1 for now (got {train.dp_size}): `areal-npu train` starts one trainer process; "
-            "multi-rank (data-parallel) training has not landed",
-        )
+    _check_ranks(cfg)
     loss = PPOLoss(cfg.ppo)  # refuses what no engine computes (ppo.kl_coef)
     if train.backend != "megatron":
         return
@@ -85,7 +80,7 @@ def check_trainer(cfg) -> None:
         check_megatron_config(train)
     except ConfigError as exc:
         raise _prefixed(exc, "train.") from None
-    check_mtp(cfg.mtp)
+    check_mtp(cfg.mtp, train.megatron.tp_size, train.megatron.cp_size)
     check_loss_layout(loss, train.megatron.cp_size)
     layout = train.megatron
     try:
@@ -95,14 +90,48 @@ def check_trainer(cfg) -> None:
         raise ConfigError(key, str(exc)) from None
 
 
+def _check_ranks(cfg) -> None:
+    """Data-parallel ranks: FSDP2, each rank an equal share of every PPO mini-batch
+    (:func:`areal_npu.train.ranks.shard_indices`). Megatron's tp/cp layout is checked against the
+    processes at the start (:func:`check_world_size`)."""
+    train = cfg.train
+    if train.dp_size == 1:
+        return
+    if train.backend == "megatron":
+        raise ConfigError(
+            "train.dp_size",
+            f"must be 1 with train.backend=megatron (got {train.dp_size}): {_MEGATRON_ONE_RANK}",
+        )
+    batch = cfg.controller.batch_groups * cfg.workflow.group_size
+    if batch % (train.dp_size * train.ppo_minibatches):
+        raise ConfigError(
+            "train.dp_size",
+            f"{train.dp_size} ranks x {train.ppo_minibatches} PPO mini-batch(es) do not split a batch of "
+            f"{batch} trajectories (controller.batch_groups x workflow.group_size) evenly",
+        )
+
+
+#: Why a Megatron run has one trainer process: rank 0 hands every rank a different share
+#: (:mod:`areal_npu.train.ranks`), but tp/cp peers must get the same samples.
+_MEGATRON_ONE_RANK = (
+    "`areal-npu train` runs the Megatron engine as one trainer process for now; several ranks are "
+    "FSDP2 data parallelism (train.backend=fsdp2, train.dp_size)"
+)
+
+
 def check_world_size(train: TrainEngineConfig, world_size: int) -> None:
     """The layout's ranks (dp x tp x pp x cp) against the trainer processes there are."""
     from areal_npu.placement import TrainerLayout
 
     layout = TrainerLayout.of(train)
+    if train.backend == "megatron" and layout.world_size > 1:
+        raise ConfigError(
+            layout.size_key(), f"the trainer layout needs {layout.describe()} ranks: {_MEGATRON_ONE_RANK}"
+        )
     if layout.world_size != world_size:
         raise ConfigError(
             layout.size_key(),
             f"the trainer layout needs {layout.describe()} ranks, but this run has {world_size} trainer "
-            "process(es): `areal-npu train` starts one (multi-rank training has not landed)",
+            f"process(es): start one per rank, `torchrun --nproc-per-node {layout.world_size} -m areal_npu.cli "
+            "train RECIPE ...`",
         )

@@ -35,8 +35,11 @@ Environment:
   HCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME   the network interface between nodes
   AREAL_NPU (areal-npu), PYTHON (python3)  the commands used
 
-Not built yet: starting the trainer's ranks (torchrun on one node, Ray across nodes); a run
-without --dry-run stops with exit code $EXIT_NOT_BUILT and says so.
+  LAUNCHER                ray: start Ray here (node 0: the head, which then runs the Ray launcher;
+                          the others: workers that join it; RAY_PORT: 6379) and run the job on it
+
+Not built yet: a run of this recipe's Megatron layout over several trainer ranks; without
+LAUNCHER=ray a run without --dry-run stops with exit code $EXIT_NOT_BUILT and says so.
 EOF
 }
 
@@ -156,6 +159,31 @@ fi
 # ---- a real run ----
 [[ -n ${MODEL_PATH:-} && -f $MODEL_PATH/config.json ]] || die "$EXIT_USAGE" "MODEL_PATH ('${MODEL_PATH:-}') must be a checkpoint directory"
 [[ -n ${TASKS:-} && -f $TASKS ]] || die "$EXIT_USAGE" "TASKS ('${TASKS:-}') must be a JSONL task set"
+if [[ ${LAUNCHER:-} == ray ]]; then
+  # Ray is the cluster manager: node 0 runs the head and the launcher (areal_npu/placement/ray_launch.py),
+  # which plans the job on the cluster and places every trainer rank and engine in a placement group.
+  RAY_PORT=${RAY_PORT:-6379}
+  if ((NODE_RANK > 0)); then
+    exec ray start --address="$MASTER_ADDR:$RAY_PORT" --block
+  fi
+  ray start --head --port="$RAY_PORT" --node-ip-address="$MASTER_ADDR" >&2
+  trap 'ray stop >&2' EXIT
+  "$PYTHON" - "$MASTER_ADDR:$RAY_PORT" "$NNODES" <<'PY' || die 1 "the Ray workers did not join"
+import sys, time
+
+import ray
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+deadline = time.monotonic() + 600
+while sum(n["Alive"] for n in ray.nodes()) < int(sys.argv[2]):
+    if time.monotonic() > deadline:
+        sys.exit(f"{sum(n['Alive'] for n in ray.nodes())} of {sys.argv[2]} nodes joined within 600 s")
+    time.sleep(2)
+PY
+  "$PYTHON" -m areal_npu.placement.ray_launch "$RECIPE" "${layout[@]}" "${overrides[@]}" \
+    --address "$MASTER_ADDR:$RAY_PORT"
+  exit $?
+fi
 # The image's entry point has sourced the Ascend toolkit's set_env.sh. What would start here: torchrun
 # with this node's trainer ranks (nodes 0..TRAIN_NODES-1), the engines of the plan (the other
 # nodes), the controller on node 0. None of it exists in areal-npu yet.
