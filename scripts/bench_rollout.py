@@ -62,12 +62,13 @@ def build_trained(out: Path, steps: int, depths: int, layout: str) -> tuple[Path
     from areal_npu.model.layout import load_for_training
     from areal_npu.model.mtp import MTPConfig
     from areal_npu.model.mtp_checkpoint import save_model_with_mtp
-    from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+    from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
     from areal_npu.testing.sft import evaluate_mtp, pattern_corpus, sft_warm_start
 
     torch.manual_seed(0)
     cfg = MTPConfig(enabled=True, num_depths=depths)
-    init = save_tiny_model(out.parent / f"init-{layout}", TinyModelConfig(layout=layout))
+    init_cfg = TinyModelConfig(**dict(TEXT_FULL_ATTENTION, layout=layout))  # 2 full-attention layers, fp32
+    init = save_tiny_model(out.parent / f"init-{layout}", init_cfg)
     model, mtp, checkpoint_layout = load_for_training(init, cfg)
     tokenizer = AutoTokenizer.from_pretrained(init)
     corpus = pattern_corpus(64, length=64, seed=0)
@@ -103,13 +104,14 @@ def build_model(
         except Exception as exc:  # noqa: BLE001 - fall back, and say so
             print(f"[bench] trained head unavailable ({type(exc).__name__}: {exc}); using the oracle head")
             head = "oracle"
+    from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
+
+    text = TinyModelConfig(**TEXT_FULL_ATTENTION)  # the float32 text model BENCHMARKS.md measured
     if head == "oracle":
         from areal_npu.testing.synthetic import save_aligned_model
 
-        return "oracle", save_aligned_model(out / "oracle"), byte_prompts, {}
-    from areal_npu.model.tiny import save_tiny_model
-
-    return "random", save_tiny_model(out / "random"), byte_prompts, {}
+        return "oracle", save_aligned_model(out / "oracle", text), byte_prompts, {}
+    return "random", save_tiny_model(out / "random", text), byte_prompts, {}
 
 
 async def _run_batch(client, prompts, batch, max_tokens, temperature) -> float:
@@ -292,7 +294,7 @@ def adaptive_models(work: Path, width: int) -> dict[str, Path]:
 
     cfg = TinyModelConfig(hidden_size=width, intermediate_size=3 * width, num_hidden_layers=4,
                           num_attention_heads=max(4, width // 64), num_key_value_heads=max(2, width // 256),
-                          head_dim=64)  # fmt: skip
+                          head_dim=64, layout="text", linear_attention_every=0)  # fmt: skip
     return {
         # residual 0.01: a near-bigram backbone the MTP oracle follows (measured acceptance ~0.5 at k = 1)
         "good": save_aligned_model(work / f"good-{width}", cfg, residual_scale=0.01),

@@ -150,6 +150,8 @@ def check_vllm_speculative(args: argparse.Namespace) -> tuple[bool, str]:
         llm = LLM(
             model=model_dir,
             speculative_config={"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens},
+            # the default tiny model is the published (VL) layout, as vLLM(-Ascend) 0.23 requires; text only
+            limit_mm_per_prompt={"image": 0, "video": 0},
             enforce_eager=True,
             max_model_len=1024,
             gpu_memory_utilization=0.3,

@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
 from areal_npu.testing.smoke import generate, reference_logprobs
 
 TOLERANCE = 1e-4
@@ -32,7 +32,8 @@ def main() -> int:
 
     console = Console()
     with console.status("building the tiny Qwen3.5 + MTP checkpoint"):
-        model_dir = save_tiny_model(Path(args.out) / "model", TinyModelConfig())
+        # the text model: the float32 engine of the 1e-4 log-prob check (the default hybrid is bf16-only)
+        model_dir = save_tiny_model(Path(args.out) / "model", TinyModelConfig(**TEXT_FULL_ATTENTION))
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (8 + i,), generator=generator).tolist() for i in range(args.prompts)]
     with console.status(f"vLLM: starting the engine and generating (MTP k={args.k})"):

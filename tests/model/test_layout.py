@@ -18,7 +18,7 @@ from safetensors import safe_open
 from areal_npu.model.layout import PUBLISHED, TEXT, detect_layout, load_for_training
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.mtp_checkpoint import load_model_with_mtp, save_model_with_mtp
-from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
 
 # Qwen3.6-27B as published: 64 layers = 16 x (3 Gated DeltaNet + 1 full attention),
 # hidden 5120, 24 q / 4 kv heads of dim 256, vocab 248320, untied, gated attention output (q_proj
@@ -148,7 +148,8 @@ def test_loads_for_training_as_the_text_model_with_the_vl_forward(published):
 
 def test_text_layout_is_detected_and_loads_as_before(tmp_path):
     path = save_tiny_model(
-        tmp_path / "text", TinyModelConfig(hidden_size=64, intermediate_size=96, head_dim=16)
+        tmp_path / "text",
+        TinyModelConfig(**TEXT_FULL_ATTENTION, hidden_size=64, intermediate_size=96, head_dim=16),
     )
     assert detect_layout(path) == TEXT
     lm, head, layout = load_for_training(path, MTPConfig(enabled=True))

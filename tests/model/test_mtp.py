@@ -36,6 +36,7 @@ def tiny(linear_every: int = 2, mtp_layers: int = 1, seed: int = 0):
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, linear_attention_every=linear_every,
         mtp_num_hidden_layers=mtp_layers, seed=seed,
+        layout="text", linear_head_dim=0,  # not the subject; GDN head dim = head_dim keeps it small
     )  # fmt: skip
     model, mtp, tok = build_tiny_model(cfg)
     with torch.no_grad():  # non-trivial zero-centred norm weights, so the "1 + w" convention matters

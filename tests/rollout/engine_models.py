@@ -59,13 +59,15 @@ def serves_text_layout() -> bool:
 
 def save_engine_model(out_dir: Path) -> ServedModel:
     out_dir = Path(out_dir)
-    from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+    from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
 
     if serves_text_layout():
-        path = synthetic.save_aligned_model(out_dir, TinyModelConfig(layout="text"))
+        path = synthetic.save_aligned_model(out_dir, TinyModelConfig(**TEXT_FULL_ATTENTION))
         layout, dtype, tol = "text", "float32", 1e-4
     else:
-        base = save_tiny_model(out_dir / "_base", TinyModelConfig(layout="published"))
+        # all full attention, float32 (see above): not the default hybrid shapes
+        full = dict(TEXT_FULL_ATTENTION, layout="published")
+        base = save_tiny_model(out_dir / "_base", TinyModelConfig(**full))
         tensors = synthetic.aligned_tensors(synthetic.load_tensors(base), residual_scale=0.1, logit_scale=40.0)
         path = synthetic.save_tensors(out_dir / "model", base, tensors)
         layout, dtype, tol = "published", "float32", 1e-4

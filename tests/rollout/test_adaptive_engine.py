@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from areal_npu.model.tiny import save_tiny_model
+from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
 from areal_npu.rollout.client import EngineFailure, RolloutClient
 from areal_npu.rollout.config import RolloutConfig, SpecConfig
 from areal_npu.rollout.launcher import EngineProcess
@@ -42,9 +42,12 @@ PROMPT = [72, 101, 108, 108, 111]  # "Hello"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    # text layout, all full attention: the float32 engines and the exact-joint reference need it
+    # (the default hybrid serves in bf16 only), and the k switching is the subject, not the layout
+    cfg = TinyModelConfig(**TEXT_FULL_ATTENTION)
     return {
-        "good": save_aligned_model(tmp_path_factory.mktemp("aligned")),
-        "bad": save_tiny_model(tmp_path_factory.mktemp("random")),
+        "good": save_aligned_model(tmp_path_factory.mktemp("aligned"), cfg),
+        "bad": save_tiny_model(tmp_path_factory.mktemp("random"), cfg),
     }
 
 

@@ -29,6 +29,10 @@ TINY = TinyModelConfig(
     num_key_value_heads=2,
     head_dim=16,
     seed=3,
+    # text layout, all full attention (the former default): the FSDP2 engine's numerics are the
+    # subject, the published layout has its own tests (test_engine_layout.py); GDN would be slower
+    layout="text",
+    linear_attention_every=0,
 )
 
 

@@ -30,6 +30,8 @@ HYBRID = TinyModelConfig(
     head_dim=16,
     linear_attention_every=2,  # Gated DeltaNet, full attention, Gated DeltaNet, full attention
     seed=5,
+    layout="text",  # precision is the subject, not the layout; GDN head dim = head_dim keeps it small
+    linear_head_dim=0,
 )
 
 

@@ -56,13 +56,15 @@ def test_both_engines_have_every_member_with_the_protocols_parameters(engine_cla
 
 
 def test_an_fsdp2_engine_is_a_train_engine():
-    from areal_npu.model.tiny import TinyModelConfig, build_tiny_model
+    from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, build_tiny_model
     from areal_npu.train.config import TrainEngineConfig
     from areal_npu.train.dist import init_distributed
     from areal_npu.train.fsdp2 import FSDPEngine
 
     init_distributed()
-    lm, _, _ = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=32, head_dim=8))
+    lm, _, _ = build_tiny_model(
+        TinyModelConfig(**TEXT_FULL_ATTENTION, hidden_size=32, intermediate_size=32, head_dim=8)
+    )
     assert isinstance(FSDPEngine(lm, None, TrainEngineConfig()), TrainEngine)
 
 

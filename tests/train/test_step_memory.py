@@ -145,6 +145,8 @@ STEP_MODEL = TinyModelConfig(
     linear_attention_every=2,  # Gated DeltaNet, then full attention
     vocab_size=1024,
     seed=1,
+    layout="text",  # the memory bound is the subject; GDN head dim = head_dim keeps the 64K step small
+    linear_head_dim=0,
 )
 TOKENS, SEGMENT = 65536, 1024
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from areal_npu.compat.vllm import cpu as vllm_cpu
-from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
 from areal_npu.rollout import vllm_features
 
 needs_vllm_cpu = pytest.mark.skipif(
@@ -123,7 +123,8 @@ def test_vllm_cpu_serves_tiny_qwen35_with_mtp_speculation(tmp_path):
     """
     from areal_npu.testing.smoke import generate, reference_logprobs
 
-    model_dir = str(save_tiny_model(tmp_path / "tiny", TinyModelConfig()))
+    # the text class in float32 (the 1e-4 log-prob check); the default hybrid serves in bf16 only
+    model_dir = str(save_tiny_model(tmp_path / "tiny", TinyModelConfig(**TEXT_FULL_ATTENTION)))
     prompts = [[5, 6, 7, 8, 9], [100, 101, 102], [42] * 7]
     result = generate(model_dir, prompts, max_tokens=12, num_speculative_tokens=2)
     assert [len(c) for c in result.completions] == [12, 12, 12]
