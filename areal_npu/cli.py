@@ -54,12 +54,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         cluster = placement.describe_cluster(kind, args.nodes, args.devices_per_node)
         plan = placement.plan_recipe(cfg, cluster)
         estimates = step_estimate.dry_run_estimates(cfg, plan, args.model_config)
+        groups = _ray_groups(plan) if args.launcher == "ray" else None
         if args.json:
-            print(json.dumps(plan.to_dict() | {"estimates": estimates.to_dict()}, indent=2))
+            ray_part = {"ray_placement_groups": groups} if groups is not None else {}
+            print(json.dumps(plan.to_dict() | {"estimates": estimates.to_dict()} | ray_part, indent=2))
         else:
             placement.render(plan)
             step_estimate.render(estimates)
+            if groups is not None:
+                print("Ray placement groups (STRICT_PACK, one bundle per process):")
+                for node, bundles in enumerate(groups):
+                    print(f"  node {node}: {json.dumps(bundles)}")
         return 0
+    if args.launcher == "ray":  # the Ray launcher places every rank and engine; it loads the recipe again
+        from areal_npu.placement import ray_launch
+
+        address = ["--address", args.ray_address] if args.ray_address else []
+        return ray_launch.main(
+            [args.recipe, *args.overrides, *address, *(["--resume"] if args.resume else [])]
+        )
     from areal_npu.platform import use_device
     from areal_npu.run import run_rl, torchrun_command
 
@@ -86,7 +99,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 DRY_RUN_FLAGS = ("json", "nodes", "devices_per_node", "device_kind", "model_config")
 
 
+def _ray_groups(plan) -> list:
+    """The placement groups the Ray launcher would ask Ray for (pure: Ray is not imported)."""
+    from areal_npu.placement.ray_bundles import placement_groups
+
+    return placement_groups(plan)
+
+
 def _check_dry_run_flags(args: argparse.Namespace) -> None:
+    if args.ray_address and args.launcher != "ray":
+        raise ConfigError("--ray-address", "names the Ray cluster of --launcher ray; add --launcher ray")
+    if args.launcher == "ray" and args.check:
+        raise ConfigError("--launcher", "--check only validates the recipe; drop --launcher ray")
     given = [f"--{f.replace('_', '-')}" for f in DRY_RUN_FLAGS if getattr(args, f) not in (None, False)]
     if given and not args.dry_run:
         raise ConfigError(given[0], "describes the plan that --dry-run prints; add --dry-run")
@@ -116,7 +140,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     package = Path(__file__).resolve().parent
     scripts = package.parent / "scripts"
-    available = sorted(p.stem[len("bench_"):] for p in scripts.glob("bench_*.py"))
+    available = sorted(p.stem[len("bench_") :] for p in scripts.glob("bench_*.py"))
     if not available:
         print(
             f"areal-npu bench: no scripts/bench_*.py at {scripts}: the benchmarks run from a source "
@@ -170,6 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CONFIG_JSON",
         help="with --dry-run: the model's config.json for the memory estimate (model.path's when omitted); "
         "lets the plan run where the checkpoint is not",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=("local", "ray"),
+        default="local",
+        help="local (default): this machine, torchrun when train.dp_size > 1; ray: place every trainer rank "
+        "and engine on a Ray cluster (python -m areal_npu.placement.ray_launch); with --dry-run: also print "
+        "the Ray placement groups",
+    )
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="with --launcher ray: the Ray cluster to join (default: RAY_ADDRESS, else 'auto')",
     )
     p.set_defaults(func=cmd_train)
 

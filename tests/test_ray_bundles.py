@@ -137,8 +137,8 @@ def test_engine_start_moves_off_a_port_taken_before_it_binds(tmp_path, monkeypat
             runner.engine.stop(grace_s=2)
     runner.engine = FakeEngine(cfg, port=-1, secret="secret")  # fails for another reason: no retry
     starts = []
-    original = FakeEngine.start
-    monkeypatch.setattr(FakeEngine, "start", lambda self: starts.append(1) or original(self))
+    original = FakeEngine._start_once  # the retries happen inside start(): count the attempts
+    monkeypatch.setattr(FakeEngine, "_start_once", lambda self: starts.append(1) or original(self))
     with pytest.raises(EngineStartError, match="exited with code 3"):
         runner.start()
     assert len(starts) == 1

@@ -47,6 +47,15 @@ transports hand over node-local memory handles, so they need every engine on tra
 Modules: :mod:`.model` (the dataclasses and the recipe keys errors name), :mod:`.allocate` (the
 planner: :func:`plan`, :func:`plan_recipe`), :mod:`.describe` (:func:`describe_cluster`,
 :func:`render`); everything public is importable from here.
+
+The Ray launcher starts a plan on a Ray cluster (``areal-npu train RECIPE --launcher ray``, or
+``python -m areal_npu.placement.ray_launch``); its modules are not imported from here, and only
+they import Ray: :mod:`.ray_bundles` (pure: a plan as placement groups, one bundle per process, and
+the cluster ``ray.nodes()`` describes), :mod:`.ray_launch` (the entry: reserve the groups, start
+the trainer ranks as actors, wait, tear down), :mod:`.ray_actors` (what runs in the actors: a
+trainer rank's process group, an engine's :class:`~areal_npu.rollout.launcher.EngineProcess`, and
+the per-process reports), :mod:`.ray_engines` (trainer rank 0 starts the engines in their bundles)
+and :mod:`.ray_child` (ends a rank's session when its actor dies).
 """
 
 from areal_npu.placement.allocate import plan, plan_recipe

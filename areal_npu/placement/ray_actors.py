@@ -31,8 +31,6 @@ from pathlib import Path
 from areal_npu import platform as plat
 
 LOG_TAIL_LINES = 40
-#: New free ports an engine start may try after the one it picked was taken (EADDRINUSE).
-PORT_RETRIES = 2
 
 
 def report_path(report_dir: str | Path, process: str) -> Path:
@@ -175,25 +173,11 @@ class EngineRunner:
     def start(self) -> dict:
         """Blocks until the engine is healthy (``EngineStartError`` with its log tail otherwise).
 
-        A port picked free can be taken before vLLM binds it, a minute of imports later: on a
-        node running Ray, whose processes open many outgoing connections, that happened in one of
-        our first runs (EADDRINUSE). Then the engine starts again on a new free port, a bounded
-        number of times; a port the recipe fixed (``base_port``) is not changed."""
-        from areal_npu.rollout.launcher import EngineStartError
-
-        for attempt in range(PORT_RETRIES + 1):
-            try:
-                self.engine.start()
-                break
-            except EngineStartError as exc:
-                this_start = str(exc).rsplit("==== start", 1)[-1]  # the log holds earlier starts too
-                if (
-                    "Address already in use" not in this_start
-                    or self.engine.cfg.base_port
-                    or attempt == PORT_RETRIES
-                ):
-                    raise
-                self.engine.port = 0  # start() picks a new free port
+        A port picked free can be taken before vLLM binds it: on a node running Ray, whose
+        processes open many outgoing connections, that happened in one of our first runs
+        (EADDRINUSE). ``EngineProcess.start`` then retries on a new free port, a bounded number
+        of times (``launcher.PORT_RETRIES``), as it does for the local launcher."""
+        self.engine.start()
         return self._report()
 
     def _report(self, **extra) -> dict:

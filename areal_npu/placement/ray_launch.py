@@ -1,6 +1,7 @@
 """The Ray launcher: one run's trainer ranks and rollout engines placed on a Ray cluster.
 
-    python -m areal_npu.placement.ray_launch RECIPE [key=value ...] [--address ADDR | --local-cpus N]
+    python -m areal_npu.placement.ray_launch RECIPE [key=value ...] [--address ADDR | --local-cpus N] [--resume]
+    areal-npu train RECIPE [key=value ...] --launcher ray [--ray-address ADDR] [--resume]
 
 Ray is the cluster manager: the recipe's shell script starts the head and the workers
 (``ray start --head`` / ``ray start --address``), or an existing cluster is used (``--address``,
@@ -207,6 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--address", help="an existing Ray cluster (default: RAY_ADDRESS, else 'auto')")
     where.add_argument("--local-cpus", type=int, help="start a one-node Ray cluster with N CPUs for this run")
+    parser.add_argument("--resume", action="store_true", help="every rank continues from the last checkpoint")
     parser.add_argument("--ready-timeout-s", type=float, default=300.0,
                         help="how long to wait for Ray to grant the placement groups")  # fmt: skip
     return parser
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster = dataclasses.replace(cluster, master_port=free_port())
         plan = plan_recipe(cfg, cluster)
         train_argv = [sys.executable, "-m", "areal_npu.cli", "train", str(Path(args.recipe).resolve()),
-                      *args.overrides]  # fmt: skip
+                      *args.overrides, *(["--resume"] if args.resume else [])]  # fmt: skip
         return RayRun(cfg, plan, train_argv, Path(cfg.run_dir).resolve(), args.ready_timeout_s).run()
     except (ConfigError, ValueError) as exc:
         print(f"ray_launch: {exc}", file=sys.stderr)

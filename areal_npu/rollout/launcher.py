@@ -11,6 +11,10 @@ environment -- not on its command line, which any user can read in ``/proc`` -- 
 to it must carry (``guard.py``); it is kept on the :class:`EngineProcess` objects, in memory only.
 An engine listens on the address it is given (the plan's host for it; ``rollout.host``, 127.0.0.1
 by default), never on every interface.
+
+An engine's CPU binding (its affinity and core slice) is fixed at its first start and reused by
+every restart; a start whose free port was taken before the engine bound it retries on a new one
+(:meth:`EngineProcess.start`; the Ray launcher's engine actors start engines the same way).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from areal_npu.rollout import guard
 from areal_npu.rollout.config import RolloutConfig
 
 LOG_TAIL_LINES = 40
+#: New free ports a start may try after the one it picked was taken before the engine bound it.
+PORT_RETRIES = 2
 _LIVE: weakref.WeakSet[EngineProcess] = weakref.WeakSet()
 _INSTALLED = {"atexit": False, "signals": False}
 
@@ -58,7 +64,32 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 ENGINE_CPUS_ENV = "AREAL_ENGINE_CPUS"
 
 
-def cpu_binding(cfg: RolloutConfig, index: int) -> dict[str, str]:
+def port_taken(log_text: str) -> bool:
+    """Whether a failed start's log says its port was taken (EADDRINUSE, as Python, uvicorn and
+    vLLM word it)."""
+    return "Address already in use" in log_text or "EADDRINUSE" in log_text
+
+
+@contextlib.contextmanager
+def thread_affinity(cores: set[int]):
+    """This thread's CPU affinity set to ``cores`` for the block (a child started in it inherits
+    them), restored afterwards; other threads are not affected."""
+    before = os.sched_getaffinity(0)
+    if before == cores:
+        yield
+        return
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError:  # the cores are no longer allowed (the cpuset shrank): start where this thread runs
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def cpu_binding(cfg: RolloutConfig, index: int, cores: set[int] | None = None) -> dict[str, str]:
     """On the CPU backend, the cores of engine ``index``: its whole process group runs there.
 
     Engines take the last cores of this process's affinity, ``n // (num_engines + 1)`` each (at
@@ -69,13 +100,14 @@ def cpu_binding(cfg: RolloutConfig, index: int) -> dict[str, str]:
     process to the worker and back; on the 2-vCPU VMs we measured, with those processes on
     different cores a tiny model decoded 4-6x slower and bimodally (cross-core wake-ups), with
     all of them on one core it was fast and steady (docs/BENCHMARKS.md). A user's
-    ``VLLM_CPU_OMP_THREADS_BIND`` wins: then nothing is pinned.
+    ``VLLM_CPU_OMP_THREADS_BIND`` wins: then nothing is pinned. ``cores``: the affinity to split
+    (default: this thread's).
     """
     if cfg.device_type() != "cpu" or cfg.tensor_parallel_size != 1:
         return {}
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
     per_engine = max(1, len(cores) // (cfg.num_engines + 1))
     end = len(cores) - (index % max(1, len(cores) // per_engine)) * per_engine
     picked = ",".join(str(c) for c in cores[end - per_engine : end])
@@ -137,6 +169,9 @@ class EngineProcess:
         self.proc: subprocess.Popen | None = None
         self.pgid: int | None = None
         self.restarts = 0
+        #: the affinity and environment of the first start, reused by every restart (see start())
+        self.launch_cores: set[int] | None = None
+        self.launch_env: dict[str, str] | None = None
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="areal-rollout-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"engine{index}.log"
@@ -159,19 +194,58 @@ class EngineProcess:
         ]
 
     def start(self) -> EngineProcess:
+        """Start and wait until healthy.
+
+        The CPU binding is fixed at the first start: the cores and environment the engine got then
+        (:func:`cpu_binding` of the launching thread's affinity) are stored and every restart
+        reuses them. A restart comes later, from the client's thread in a process that may have
+        narrowed its own affinity since (trainer rank 0 pins itself to its cores, ``run.py``); a
+        binding recomputed there would put the engine on rank 0's cores.
+
+        A port picked free can be taken before the engine binds it, a minute of imports later
+        (EADDRINUSE in its log): then it starts again on a new free port, up to
+        :data:`PORT_RETRIES` times. A port the recipe fixed (``rollout.base_port``) is not changed.
+        """
         _install_handlers()
-        if not self.port or (self.restarts and not self.cfg.base_port):
-            self.port = free_port(self.cfg.host)
-        env = dict(os.environ)
-        env.update(self.cfg.engine_env())
-        env.update(cpu_binding(self.cfg, self.index))
-        env[guard.SECRET_ENV] = self.secret
+        if self.launch_cores is None:
+            self.launch_cores = os.sched_getaffinity(0)
+            self.launch_env = {
+                **self.cfg.engine_env(),
+                **cpu_binding(self.cfg, self.index, self.launch_cores),
+            }
+        for attempt in range(PORT_RETRIES + 1):
+            if not self.port or (self.restarts and not self.cfg.base_port and attempt == 0):
+                self.port = free_port(self.cfg.host)
+            log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+            try:
+                return self._start_once()
+            except EngineStartError:
+                if (
+                    self.cfg.base_port
+                    or attempt == PORT_RETRIES
+                    or not port_taken(self._log_since(log_start))
+                ):
+                    raise
+                self.port = 0  # the next attempt picks a new free port
+        raise AssertionError("unreachable")
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _start_once(self) -> EngineProcess:
+        env = {**os.environ, **self.launch_env, guard.SECRET_ENV: self.secret}
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         log.write(f"\n==== start {time.strftime('%H:%M:%S')} port {self.port} ====\n".encode())
         log.flush()
-        self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        with thread_affinity(self.launch_cores):  # the child inherits the cores of the first start
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         log.close()
         self.pgid = self.proc.pid  # session leader: its pid is the process group id
         _LIVE.add(self)
@@ -282,7 +356,8 @@ def launch_engines(cfg: RolloutConfig, hosts: list[str] | None = None) -> list[E
     _install_handlers()  # from the main thread, before the start-up threads
     secret = guard.make_secret()
     engines = [
-        EngineProcess(cfg, index=i, host=hosts[i] if hosts else None, secret=secret) for i in range(cfg.num_engines)
+        EngineProcess(cfg, index=i, host=hosts[i] if hosts else None, secret=secret)
+        for i in range(cfg.num_engines)
     ]
     try:
         # all at once: start-up is mostly imports and model loading, each in its own processes
