@@ -157,7 +157,7 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     extra = engine.load_checkpoint(checkpoint) if checkpoint is not None else None
     leader = None
     if world > 1:
-        channel = ranks.RankChannel()
+        channel = ranks.RankChannel(data=ranks.data_rank(engine))  # Megatron: TP/CP peers share samples
         if rank != 0:
             return {"rank": rank, "stopped_by": ranks.follow(engine, channel)}
         engine = leader = ranks.LeaderEngine(engine, channel, cfg.train.ppo_minibatches)

@@ -169,13 +169,14 @@ def _worker(rank, world, init_file, out_dir, mode):
     _controller_run(rank, world, engine, channel, out_dir / "follower", fail_follower_at=2)
 
 
-def _run(tmp_path, name, world, mode=None):
+def _run(tmp_path, name, world, mode=None, worker=_worker, timeout_s=240):
+    """``worker(rank, world, init_file, out_dir, mode)`` in ``world`` spawned processes; (out_dir, exit codes)."""
     out = tmp_path / name
     out.mkdir()
-    context = mp.start_processes(_worker, args=(world, str(tmp_path / f"{name}.rdv"), out, mode), nprocs=world,
+    context = mp.start_processes(worker, args=(world, str(tmp_path / f"{name}.rdv"), out, mode), nprocs=world,
                                  join=False, start_method="spawn")  # fmt: skip
     for proc in context.processes:  # a hang fails the test here instead of stalling CI
-        proc.join(240)
+        proc.join(timeout_s)
     alive = [p.pid for p in context.processes if p.is_alive()]
     for proc in context.processes:
         if proc.is_alive():
@@ -221,6 +222,49 @@ def test_a_failing_rank_stops_the_others_instead_of_leaving_them_waiting(tmp_pat
     assert codes[1] != 0 and not (out / "follower" / "rank1.json").exists()
     assert "error" in json.loads((out / "follower" / "rank0.json").read_text())
     assert codes[0] == 0
+
+
+class _Channel:
+    """Records what rank 0 scatters; the other ranks "answer" ``compute_logprobs`` from their shard."""
+
+    def __init__(self, data_ranks, data_world):
+        self.data_ranks, self.data_world, self.world = data_ranks, data_world, len(data_ranks)
+        self.sent = None
+
+    def scatter(self, per_rank):
+        self.sent = per_rank
+        return per_rank[0]
+
+    def gather(self, mine):
+        return [[torch.tensor([float(s)]) for s in args[0]] for _, args in self.sent]
+
+
+class _Echo:
+    def compute_logprobs(self, samples):
+        return [torch.tensor([float(s)]) for s in samples]
+
+
+def test_peers_of_one_data_rank_get_the_same_share_and_logprobs_come_back_in_order():
+    from areal_npu.train.ranks import LeaderEngine, shard_indices
+
+    channel = _Channel([0, 0, 1, 1], 2)  # dp 2 x tp 2 in Megatron's rank order
+    samples = list(range(8))
+    got = LeaderEngine(_Echo(), channel).compute_logprobs(samples)
+    assert [float(t) for t in got] == [float(s) for s in samples]
+    sent = [args[0] for _, args in channel.sent]
+    assert sent[0] == sent[1] != sent[2] == sent[3]
+    assert sorted(sent[0] + sent[2]) == samples and sent[0] == shard_indices(8, 2)[0]
+
+
+def test_min_and_max_skip_micro_batches_without_loss_tokens():
+    """A CP rank's zigzag share (or a DP rank's micro-batch) with no loss tokens logs 0 for every
+    masked stat: that 0 is no value. Reference: min / max over the micro-batches that have tokens."""
+    from areal_npu.train.stats import merge_stats
+
+    per_mb = [(0.0, {"w/min": 0.0, "w/max": 0.0, "w/mean": 0.0}), (3.0, {"w/min": 0.5, "w/max": 2.0, "w/mean": 1.0}),
+              (1.0, {"w/min": 0.25, "w/max": 1.5, "w/mean": 0.5})]  # fmt: skip
+    assert merge_stats(per_mb) == {"w/min": 0.25, "w/max": 2.0, "w/mean": (3.0 * 1.0 + 0.5) / 4.0}
+    assert merge_stats(per_mb[:1]) == {"w/min": 0.0, "w/max": 0.0, "w/mean": 0.0}  # no tokens anywhere
 
 
 def test_a_multi_rank_recipe_starts_torchrun_with_one_process_per_rank(monkeypatch):

@@ -242,6 +242,11 @@ def test_megatron_on_a_tiny_qwen3_dense_checkpoint_passes_and_derives_the_packin
 
     code, err = check(capsys, *MEGATRON, f"model.path={qwen3_checkpoint}")
     assert code == 0, err
+    # several ranks: dp 2 x tp 2 (torchrun starts 4; tests/test_multirank_megatron.py runs them)
+    code, err = check(
+        capsys, *MEGATRON, f"model.path={qwen3_checkpoint}", "train.dp_size=2", "train.megatron.tp_size=2"
+    )
+    assert code == 0, err
     cfg = load_config(RLConfig, QUICKSTART, [*MEGATRON, f"model.path={qwen3_checkpoint}", "train.megatron.tp_size=2",
                                              "train.megatron.cp_size=2"])  # fmt: skip
     assert (cfg.train.packing.tp_size, cfg.train.packing.cp_size, cfg.train.packing.alignment) == (2, 2, 8)
@@ -259,7 +264,7 @@ def test_megatron_on_a_tiny_qwen3_dense_checkpoint_passes_and_derives_the_packin
         (["train.megatron.sequence_parallel=true"], "train.megatron.sequence_parallel", "needs tp_size >= 2"),
         (["train.dtype=bfloat16"], "train.dtype", "float32 only"),
         (["train.gradient_checkpointing=true"], "train.gradient_checkpointing", "not wired"),
-        (["train.dp_size=2"], "train.dp_size", "must be 1 with train.backend=megatron"),
+        (["train.dp_size=3"], "train.dp_size", "do not split a batch of 64 trajectories"),
         (["mtp.enabled=true", "mtp.num_depths=2"], "mtp.num_depths", "trains MTP depth 1 only"),
         (["mtp.enabled=true", "train.megatron.cp_size=2"], "train.megatron.cp_size", "MTP head runs on one CP"),
         (["train.megatron.cp_size=2", "ppo.loss_agg=seq-mean"], "ppo.loss_agg", "needs whole sequences"),
@@ -286,7 +291,10 @@ def test_backend_choices_are_checked_for_fsdp2_too(capsys, overrides, key, fragm
     assert_refused(capsys, overrides, key, fragment)
 
 
-def test_a_layout_of_more_ranks_than_trainer_processes_stops_before_any_work(capsys, qwen3_checkpoint, tmp_path):
+def test_a_layout_of_more_ranks_than_trainer_processes_stops_before_any_work(
+    capsys, qwen3_checkpoint, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a rank torchrun started alone (else `train` would start 2)
     run_dir = tmp_path / "run"
     code = cli.main(["train", str(QUICKSTART), *MEGATRON, f"model.path={qwen3_checkpoint}",
                      "train.megatron.tp_size=2", f"run_dir={run_dir}"])  # fmt: skip

@@ -91,17 +91,13 @@ def check_trainer(cfg) -> None:
 
 
 def _check_ranks(cfg) -> None:
-    """Data-parallel ranks: FSDP2, each rank an equal share of every PPO mini-batch
+    """Data-parallel ranks (``train.dp_size``; with Megatron each one a TP x CP group whose ranks get
+    the same samples): each an equal share of every PPO mini-batch
     (:func:`areal_npu.train.ranks.shard_indices`). Megatron's tp/cp layout is checked against the
-    processes at the start (:func:`check_world_size`)."""
+    processes at the start (:func:`check_world_size`), its sizes by :func:`check_trainer`."""
     train = cfg.train
     if train.dp_size == 1:
         return
-    if train.backend == "megatron":
-        raise ConfigError(
-            "train.dp_size",
-            f"must be 1 with train.backend=megatron (got {train.dp_size}): {_MEGATRON_ONE_RANK}",
-        )
     batch = cfg.controller.batch_groups * cfg.workflow.group_size
     if batch % (train.dp_size * train.ppo_minibatches):
         raise ConfigError(
@@ -111,23 +107,11 @@ def _check_ranks(cfg) -> None:
         )
 
 
-#: Why a Megatron run has one trainer process: rank 0 hands every rank a different share
-#: (:mod:`areal_npu.train.ranks`), but tp/cp peers must get the same samples.
-_MEGATRON_ONE_RANK = (
-    "`areal-npu train` runs the Megatron engine as one trainer process for now; several ranks are "
-    "FSDP2 data parallelism (train.backend=fsdp2, train.dp_size)"
-)
-
-
 def check_world_size(train: TrainEngineConfig, world_size: int) -> None:
     """The layout's ranks (dp x tp x pp x cp) against the trainer processes there are."""
     from areal_npu.placement import TrainerLayout
 
     layout = TrainerLayout.of(train)
-    if train.backend == "megatron" and layout.world_size > 1:
-        raise ConfigError(
-            layout.size_key(), f"the trainer layout needs {layout.describe()} ranks: {_MEGATRON_ONE_RANK}"
-        )
     if layout.world_size != world_size:
         raise ConfigError(
             layout.size_key(),

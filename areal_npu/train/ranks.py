@@ -5,8 +5,11 @@ The controller (rollouts, rewards, the rollout engines, weight sync, metrics) ru
 the other ranks, which run :func:`follow` and make the same call on their own engine. So the
 controller stays a one-process program and every rank still calls every engine method in the same
 order (:mod:`areal_npu.train.protocol`), with its own share of the batch for the data-carrying ones
-(:func:`shard_indices`). Weights are exported once per update: every rank iterates
-``export_buckets`` (FSDP2's full-tensor gathers are collective) and only rank 0's buckets are pushed.
+(:func:`shard_indices`). A share goes to each *data-parallel* rank (:func:`data_rank`): with
+FSDP2 every rank; with Megatron the ranks of one TP x CP group are one data rank and get the same
+samples, as its engine requires. Weights are exported once per update: every rank iterates
+``export_buckets`` (FSDP2's full-tensor gathers and Megatron's TP gathers are collective) and only
+rank 0's buckets are pushed.
 
 Commands travel over a gloo group of their own (objects on the CPU, whatever the training
 backend). Why no hang: a rank that dies closes its sockets, so a peer waiting in a collective with
@@ -24,7 +27,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["FOLLOWER_WAIT_S", "LeaderEngine", "RankChannel", "follow", "pin_trainer_cores", "shard_indices"]
+__all__ = [
+    "FOLLOWER_WAIT_S",
+    "LeaderEngine",
+    "RankChannel",
+    "data_rank",
+    "follow",
+    "pin_trainer_cores",
+    "shard_indices",
+]
 
 #: How long a follower waits for rank 0's next command (rollouts, evals and engine start-up run in
 #: between) before it gives up. A dead rank 0 is noticed at once (closed sockets); this bounds a
@@ -52,13 +63,32 @@ def shard_indices(count: int, world: int, minibatches: int = 1) -> list[list[int
     return out
 
 
+def data_rank(engine) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) of this process's ``engine``: which share of a batch
+    it takes. An engine with a ``dp_group`` (Megatron: its TP x CP peers are one data rank, in the
+    group of the ranks that hold other samples) answers from it; otherwise (FSDP2) every rank is one."""
+    group = getattr(engine, "dp_group", None)
+    if group is None:
+        return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 class RankChannel:
     """Rank 0 -> followers commands and followers -> rank 0 results, as pickled objects over a gloo
-    group of their own with timeout ``timeout_s``. Collective to build (every rank of the default group)."""
+    group of their own with timeout ``timeout_s``. Collective to build (every rank of the default
+    group): each rank tells rank 0 its ``data`` rank (:func:`data_rank`; default: its own rank of
+    ``world``), kept as ``data_ranks`` (one per rank, on rank 0) and ``data_world``."""
 
-    def __init__(self, timeout_s: float = FOLLOWER_WAIT_S):
+    def __init__(self, timeout_s: float = FOLLOWER_WAIT_S, data: tuple[int, int] | None = None):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        data = (self.rank, self.world) if data is None else tuple(data)
+        gathered = self.gather(data)
+        self.data_ranks, self.data_world = None, data[1]
+        if gathered is not None:
+            self.data_ranks = [r for r, _ in gathered]
+            if {w for _, w in gathered} != {data[1]} or set(self.data_ranks) != set(range(data[1])):
+                raise RuntimeError(f"trainer ranks report inconsistent data-parallel ranks: {gathered}")
 
     def scatter(self, per_rank: list | None):
         """Rank 0 passes one object per rank and gets its own back; the others get theirs."""
@@ -76,8 +106,9 @@ class RankChannel:
 class LeaderEngine:
     """Rank 0's view of the trainer: a :class:`~areal_npu.train.protocol.TrainEngine` that runs each
     call on every rank. ``compute_logprobs`` and ``train_step`` / ``forward_backward`` take the
-    whole batch and hand each rank its share; the log-probs come back in the batch's order. The
-    batch must split evenly (:func:`shard_indices`; ``check_trainer`` refuses a recipe whose does not)."""
+    whole batch and hand each data rank its share (the same share to ranks of one data rank); the
+    log-probs come back in the batch's order. The batch must split evenly over the data ranks
+    (:func:`shard_indices`; ``check_trainer`` refuses a recipe whose does not)."""
 
     def __init__(self, engine, channel: RankChannel, minibatches: int = 1):
         self.engine, self.channel, self.minibatches = engine, channel, minibatches
@@ -95,17 +126,20 @@ class LeaderEngine:
         self.channel.scatter([(name, args)] * self.channel.world)
 
     def _send_shards(self, name: str, samples: Sequence, minibatches: int, *rest) -> tuple[list, list]:
-        shards = shard_indices(len(samples), self.channel.world, minibatches)
-        own = self.channel.scatter([(name, ([samples[i] for i in idx], *rest)) for idx in shards])
-        return shards, own[1][0]
+        """Each rank's sample indices (its data rank's share) and rank 0's own samples, sent."""
+        shards = shard_indices(len(samples), self.channel.data_world, minibatches)
+        per_rank = [shards[d] for d in self.channel.data_ranks]
+        own = self.channel.scatter([(name, ([samples[i] for i in idx], *rest)) for idx in per_rank])
+        return per_rank, own[1][0]
 
     def compute_logprobs(self, samples):
-        shards, own = self._send_shards("compute_logprobs", samples, 1)
+        per_rank, own = self._send_shards("compute_logprobs", samples, 1)
         mine = self.engine.compute_logprobs(own)
         out = [None] * len(samples)
-        for idx, logps in zip(shards, self.channel.gather(mine)):
+        for idx, logps in zip(per_rank, self.channel.gather(mine)):
             for i, lp in zip(idx, logps):
-                out[i] = lp
+                if out[i] is None:  # TP/CP peers return the same log-probs: the first is kept
+                    out[i] = lp
         return out
 
     def train_step(self, samples, loss, step=None):

@@ -6,6 +6,8 @@ data- and context-parallel ranks, not the tensor-parallel copies), so nothing is
 
 from __future__ import annotations
 
+import math
+
 from areal_npu.train.dist import all_reduce_max, all_reduce_sum
 
 __all__ = ["merge_minibatch_stats", "merge_stats"]
@@ -18,17 +20,20 @@ def _additive(key: str) -> bool:
 
 def merge_stats(per_mb: list[tuple[float, dict[str, float]]], group=None) -> dict[str, float]:
     """Across micro-batches and the ranks of ``group``: sums for additive keys, min / max for
-    ``/min`` / ``/max`` keys, means weighted by each micro-batch's loss-mask tokens for the rest."""
+    ``/min`` / ``/max`` keys, means weighted by each micro-batch's loss-mask tokens for the rest.
+    Min / max skip micro-batches without loss tokens (their masked stats read 0, not a value: a
+    CP rank's zigzag share or a DP rank's micro-batch can hold none); 0 when no rank has any."""
     keys = sorted({k for _, s in per_mb for k in s})
     out = {}
     for key in keys:
         vals = [(w, s[key]) for w, s in per_mb if key in s]
+        counted = [v for w, v in vals if w > 0]
         if _additive(key):
             out[key] = all_reduce_sum([sum(v for _, v in vals)], group)[0]
-        elif key.endswith("/min"):
-            out[key] = -all_reduce_max([-min(v for _, v in vals)], group)[0]
-        elif key.endswith("/max"):
-            out[key] = all_reduce_max([max(v for _, v in vals)], group)[0]
+        elif key.endswith(("/min", "/max")):
+            sign = -1.0 if key.endswith("/min") else 1.0
+            top = all_reduce_max([max((sign * v for v in counted), default=-math.inf)], group)[0]
+            out[key] = sign * top if math.isfinite(top) else 0.0
         else:
             num, den = all_reduce_sum([sum(w * v for w, v in vals), sum(w for w, _ in vals)], group)
             out[key] = num / den if den else 0.0
