@@ -142,7 +142,7 @@ def hf_config(cfg: TinyModelConfig, tokenizer=None):
     )
     config.mtp_num_hidden_layers = cfg.mtp_num_hidden_layers
     config.architectures = ["Qwen3_5ForCausalLM"]
-    config.torch_dtype = "float32"
+    config.dtype = "float32"  # transformers 5 name (torch_dtype is a deprecated alias)
     return config
 
 
