@@ -28,7 +28,7 @@ class TrainEngineConfig:
     backend: str = (
         "fsdp2"  # fsdp2 | megatron (Megatron-Core: tensor/context parallelism; Qwen3 dense off the NPU)
     )
-    dp_size: int = 1  # data-parallel trainer ranks (FSDP2), one process each: torchrun --nproc-per-node N -m areal_npu.cli
+    dp_size: int = 1  # data-parallel trainer ranks (with megatron each a tp x cp group); areal-npu train starts tp x cp x dp processes through torchrun
     # Compute dtype: float32 | bfloat16. Parameters, gradients and optimizer states are float32
     # either way (fp32 master weights); bfloat16 is the forward/backward copy FSDP2 casts at unshard.
     dtype: str = "float32"
