@@ -38,8 +38,10 @@ Environment:
   LAUNCHER                ray: start Ray here (node 0: the head, which then runs the Ray launcher;
                           the others: workers that join it; RAY_PORT: 6379) and run the job on it
 
-Not built yet: a run of this recipe's Megatron layout over several trainer ranks; without
-LAUNCHER=ray a run without --dry-run stops with exit code $EXIT_NOT_BUILT and says so.
+Not built yet: torchrun across nodes (areal-npu starts torchrun on one node only); without
+LAUNCHER=ray a run without --dry-run stops with exit code $EXIT_NOT_BUILT and says so. Either way the
+Megatron engine does not yet train in bf16 with recomputation, which this layout sets: areal-npu
+refuses it before any work.
 EOF
 }
 
@@ -186,8 +188,8 @@ PY
 fi
 # The image's entry point has sourced the Ascend toolkit's set_env.sh. What would start here: torchrun
 # with this node's trainer ranks (nodes 0..TRAIN_NODES-1), the engines of the plan (the other
-# nodes), the controller on node 0. None of it exists in areal-npu yet.
+# nodes), the controller on node 0. areal-npu runs torchrun on one node only (--standalone).
 die "$EXIT_NOT_BUILT" "not started: this job spans $NNODES nodes ($TRAIN_NODES training, $((NNODES - TRAIN_NODES)) \
-running rollout engines) and areal-npu cannot launch it yet: \`areal-npu train\` starts one trainer process and its \
-engines on one node; starting the trainer's ranks (torchrun on a node, Ray across nodes) is not built. \
-\`$(basename "$0") --dry-run\` prints the whole plan."
+running rollout engines); \`areal-npu train\` starts its trainer ranks with torchrun on one node only, a multi-node \
+torchrun launch is not built: use LAUNCHER=ray. (The Megatron engine's bf16 with recomputation, which this layout \
+sets, is not built either.) \`$(basename "$0") --dry-run\` prints the whole plan."
