@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from areal_npu.data.sample import TrainSample
+from areal_npu.train.losses import PPOLoss
 
 TINY_QWEN3 = dict(
     vocab_size=320,
@@ -99,3 +100,48 @@ def save_tiny_qwen3_checkpoint(out_dir, seed: int = 3, **overrides):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@torch.no_grad()
+def full_logits(engine, seqs):
+    """Per-sequence logits from the model's own output layer: vocab shards gathered over TP, zigzag
+    shares gathered over CP."""
+    import torch.distributed as dist
+
+    from areal_npu.data.context_parallel import cp_gather
+    from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
+    from areal_npu.train.megatron.packing import to_megatron
+
+    cfg = engine.config.megatron
+    batch = pack_sequences(seqs, alignment=engine.config.packing.alignment, cp_size=cfg.cp_size)
+    mb = to_megatron(batch, {}, cfg.cp_size, engine.cp_rank, engine.cp_group)
+    engine.module.eval()
+    local = engine.module(mb.input_ids[None], mb.position_ids[None], None, packed_seq_params=mb.params)[0]
+    if cfg.tp_size > 1:
+        parts = [torch.empty_like(local) for _ in range(cfg.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=engine.tp_group)
+        local = torch.cat(parts, dim=-1)
+    if cfg.cp_size > 1:
+        parts = [torch.empty_like(local) for _ in range(cfg.cp_size)]
+        dist.all_gather(parts, local.contiguous(), group=engine.cp_group)
+        local = cp_gather(parts, batch.cu_seqlens)
+    return unpack_per_token(local, batch)
+
+
+def ppo_step_outputs(engine, samples):
+    """What both layouts must agree on: logits, log-probs, loss, HF-named grads, weights after a step."""
+    seqs = [s.input_ids for s in make_samples(3, seed=5)]
+    logits = full_logits(engine, seqs)
+    prox = engine.compute_logprobs(samples)
+    for s, lp in zip(samples, prox):
+        s.prox_logp = lp
+    stats = engine.forward_backward(samples, PPOLoss())
+    grads = engine.hf_grads()
+    stats.update(engine.optimizer_step())
+    return {
+        "logits": logits,
+        "prox": prox,
+        "stats": stats,
+        "grads": grads,
+        "weights": dict(engine.full_state_dict()),
+    }

@@ -17,9 +17,8 @@ pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed  # noqa: E402
-from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step_outputs, tiny_qwen3  # noqa: E402
 
 CAP = 24
 ADAM_EPS = 1e-3
@@ -36,51 +35,6 @@ def _engine(tp, cp):
         optim=OptimConfig(lr=1e-2, grad_clip=0.05, eps=ADAM_EPS),
     )
     return MegatronEngine.from_hf_model(hf, cfg)
-
-
-@torch.no_grad()
-def _full_logits(engine, seqs):
-    """Per-sequence logits from the model's own output layer: vocab shards gathered over TP, zigzag
-    shares gathered over CP."""
-    import torch.distributed as dist
-
-    from areal_npu.data.context_parallel import cp_gather
-    from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
-    from areal_npu.train.megatron.packing import to_megatron
-
-    cfg = engine.config.megatron
-    batch = pack_sequences(seqs, alignment=engine.config.packing.alignment, cp_size=cfg.cp_size)
-    mb = to_megatron(batch, {}, cfg.cp_size, engine.cp_rank, engine.cp_group)
-    engine.module.eval()
-    local = engine.module(mb.input_ids[None], mb.position_ids[None], None, packed_seq_params=mb.params)[0]
-    if cfg.tp_size > 1:
-        parts = [torch.empty_like(local) for _ in range(cfg.tp_size)]
-        dist.all_gather(parts, local.contiguous(), group=engine.tp_group)
-        local = torch.cat(parts, dim=-1)
-    if cfg.cp_size > 1:
-        parts = [torch.empty_like(local) for _ in range(cfg.cp_size)]
-        dist.all_gather(parts, local.contiguous(), group=engine.cp_group)
-        local = cp_gather(parts, batch.cu_seqlens)
-    return unpack_per_token(local, batch)
-
-
-def _step(engine, samples):
-    """What both layouts must agree on: logits, log-probs, loss, HF-named grads, weights after a step."""
-    seqs = [s.input_ids for s in make_samples(3, seed=5)]
-    logits = _full_logits(engine, seqs)
-    prox = engine.compute_logprobs(samples)
-    for s, lp in zip(samples, prox):
-        s.prox_logp = lp
-    stats = engine.forward_backward(samples, PPOLoss())
-    grads = engine.hf_grads()
-    stats.update(engine.optimizer_step())
-    return {
-        "logits": logits,
-        "prox": prox,
-        "stats": stats,
-        "grads": grads,
-        "weights": dict(engine.full_state_dict()),
-    }
 
 
 def _vocab_parallel_check(rank, tp):
@@ -122,7 +76,7 @@ def _worker(rank, tp, cp, path, init_file):
         _vocab_parallel_check(rank, tp)
     dp = 2 // (tp * cp)
     samples = make_samples(6)
-    out = _step(_engine(tp, cp), samples[rank::dp] if dp > 1 else samples)
+    out = ppo_step_outputs(_engine(tp, cp), samples[rank::dp] if dp > 1 else samples)
     if rank == 0:
         torch.save(out, path)
 
@@ -144,7 +98,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, tp, cp):
     )
     two = torch.load(tmp_path / "out.pt", weights_only=False)
     init_distributed()
-    one = _step(_engine(1, 1), make_samples(6))
+    one = ppo_step_outputs(_engine(1, 1), make_samples(6))
     for got, want in zip(two["logits"], one["logits"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if cp * tp > 1:  # a DP rank sees half the batch; TP/CP ranks see all of it

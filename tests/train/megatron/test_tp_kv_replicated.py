@@ -26,9 +26,8 @@ pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed  # noqa: E402
-from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step_outputs, tiny_qwen3  # noqa: E402
 
 ONE_KV_HEAD = dict(num_attention_heads=4, num_key_value_heads=1)
 
@@ -44,49 +43,21 @@ def _engine(tp):
     return MegatronEngine.from_hf_model(hf, cfg), hf
 
 
-@torch.no_grad()
-def _full_logits(engine, seqs):
-    """Per-sequence logits of the model's own output layer, vocabulary shards gathered over TP."""
-    import torch.distributed as dist
-
-    from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
-    from areal_npu.train.megatron.model import decoder_hidden_states
-    from areal_npu.train.megatron.packing import to_megatron
-
-    batch = pack_sequences(seqs, alignment=engine.config.packing.alignment)
-    mb = to_megatron(batch, {}, 1, 0, engine.cp_group)
-    engine.module.eval()
-    local = engine.module(mb.input_ids[None], mb.position_ids[None], None, packed_seq_params=mb.params)[0]
-    tp = engine.config.megatron.tp_size
-    hidden = decoder_hidden_states(engine.module, mb.input_ids, mb.position_ids, mb.params)
-    assert hidden.shape[0] * tp == len(mb.input_ids)  # sequence parallel: this rank's share of the tokens
-    if tp > 1:
-        parts = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(parts, local.contiguous(), group=engine.tp_group)
-        local = torch.cat(parts, dim=-1)
-    return unpack_per_token(local, batch)
-
-
 def _run(tp):
     engine, hf = _engine(tp)
     exported = {n: t.clone() for n, t in engine.full_state_dict()}  # replicated ones alias the params
-    samples = make_samples(6)
-    logits = _full_logits(engine, [s.input_ids for s in make_samples(3, seed=5)])
-    prox = engine.compute_logprobs(samples)
-    for s, lp in zip(samples, prox):
-        s.prox_logp = lp
-    stats = engine.forward_backward(samples, PPOLoss())
-    grads = engine.hf_grads()
-    stats.update(engine.optimizer_step())
-    return {
-        "original": hf.state_dict(),
-        "exported": exported,
-        "logits": logits,
-        "prox": prox,
-        "stats": stats,
-        "grads": grads,
-        "weights": dict(engine.full_state_dict()),
-    }
+    from areal_npu.data.packed_layout import pack_sequences
+    from areal_npu.train.megatron.model import decoder_hidden_states
+    from areal_npu.train.megatron.packing import to_megatron
+
+    batch = pack_sequences(
+        [s.input_ids for s in make_samples(3, seed=5)], alignment=engine.config.packing.alignment
+    )
+    mb = to_megatron(batch, {}, 1, 0, engine.cp_group)
+    with torch.no_grad():
+        hidden = decoder_hidden_states(engine.module, mb.input_ids, mb.position_ids, mb.params)
+    assert hidden.shape[0] * tp == len(mb.input_ids)  # sequence parallel: this rank's share of the tokens
+    return {"original": hf.state_dict(), "exported": exported, **ppo_step_outputs(engine, make_samples(6))}
 
 
 def _worker(rank, path, init_file):
