@@ -75,6 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     from areal_npu.platform import use_device
     from areal_npu.run import run_rl, torchrun_command
+    from areal_npu.train.dist import shutdown_distributed
 
     try:  # validated above; the trainer and every engine it starts compute there
         use_device(cfg.device)
@@ -90,7 +91,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         os.execv(command[0], command)
 
-    summary = run_rl(cfg, resume=args.resume)
+    try:
+        summary = run_rl(cfg, resume=args.resume)
+    finally:  # every rank, also on error: an abandoned gloo group can abort the process at exit
+        shutdown_distributed()
     print(json.dumps(summary))
     return 0
 

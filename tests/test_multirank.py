@@ -153,20 +153,20 @@ def _controller_run(rank, world, engine, channel, out_dir, fail_push_at=None, fa
 
 
 def _worker(rank, world, init_file, out_dir, mode):
-    from areal_npu.train.dist import init_distributed
+    from areal_npu.train.dist import process_group
     from areal_npu.train.ranks import RankChannel
 
-    init_distributed(rank, world, f"file://{init_file}")
-    torch.manual_seed(0)
-    engine = _engine()
-    channel = RankChannel(timeout_s=300) if world > 1 else None
-    if mode != "failures":
-        _controller_run(rank, world, engine, channel, out_dir)
-        return
-    # rank 0 fails: the followers return with its error, and every rank can go on
-    _controller_run(rank, world, engine, channel, out_dir / "leader", fail_push_at=2)
-    # then a follower fails (its process exits): rank 0 must not wait for it
-    _controller_run(rank, world, engine, channel, out_dir / "follower", fail_follower_at=2)
+    with process_group(rank, world, f"file://{init_file}"):
+        torch.manual_seed(0)
+        engine = _engine()
+        channel = RankChannel(timeout_s=300) if world > 1 else None
+        if mode != "failures":
+            _controller_run(rank, world, engine, channel, out_dir)
+            return
+        # rank 0 fails: the followers return with its error, and every rank can go on
+        _controller_run(rank, world, engine, channel, out_dir / "leader", fail_push_at=2)
+        # then a follower fails (its process exits): rank 0 must not wait for it
+        _controller_run(rank, world, engine, channel, out_dir / "follower", fail_follower_at=2)
 
 
 def _run(tmp_path, name, world, mode=None, worker=_worker, timeout_s=240):

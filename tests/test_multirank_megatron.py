@@ -39,17 +39,17 @@ def _engine(tp: int, cp: int = 1):
 
 
 def _worker(rank, world, init_file, out_dir, layout):
-    from areal_npu.train.dist import init_distributed
+    from areal_npu.train.dist import process_group
     from areal_npu.train.ranks import RankChannel, data_rank
 
-    init_distributed(rank, world, f"file://{init_file}")
-    torch.manual_seed(0)
-    engine = _engine(*layout)
-    channel = None
-    if world > 1:
-        channel = RankChannel(timeout_s=300, data=data_rank(engine))
-        (out_dir / f"data_rank{rank}.json").write_text(json.dumps(list(data_rank(engine))))
-    _controller_run(rank, world, engine, channel, out_dir)
+    with process_group(rank, world, f"file://{init_file}"):
+        torch.manual_seed(0)
+        engine = _engine(*layout)
+        channel = None
+        if world > 1:
+            channel = RankChannel(timeout_s=300, data=data_rank(engine))
+            (out_dir / f"data_rank{rank}.json").write_text(json.dumps(list(data_rank(engine))))
+        _controller_run(rank, world, engine, channel, out_dir)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -36,6 +37,27 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, ini
         platform.set_device(int(os.environ.get("LOCAL_RANK", rank)) % max(1, platform.device_count()))
     dist.init_process_group(platform.dist_backend, init_method=init_method, rank=rank, world_size=world_size)
     return rank, world_size
+
+
+def shutdown_distributed() -> None:
+    """Destroy every process group, if any, before the process exits.
+
+    Left to interpreter exit, a gloo group's threads can be destroyed while still joinable and the
+    rank aborts ("terminate called without an active exception": seen on CI in a rank that had
+    finished its work while its peer was still saving).
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(rank: int | None = None, world_size: int | None = None, init_method: str | None = None):
+    """:func:`init_distributed` for the body of a ``with``, :func:`shutdown_distributed` after it."""
+    init_distributed(rank, world_size, init_method)
+    try:
+        yield
+    finally:
+        shutdown_distributed()
 
 
 def reduce_floats(values: list[float], op=dist.ReduceOp.SUM, group=None) -> list[float]:

@@ -16,7 +16,7 @@ from areal_npu.model.tiny import TinyModelConfig, build_tiny_model
 from areal_npu.platform import current_platform
 from areal_npu.train.checkpoint import latest_checkpoint
 from areal_npu.train.config import TrainEngineConfig
-from areal_npu.train.dist import init_distributed
+from areal_npu.train.dist import init_distributed, process_group
 from areal_npu.train.fsdp2 import FSDPEngine
 from areal_npu.train.losses import PPOLoss, SFTLoss
 from areal_npu.train.optim import OptimConfig
@@ -37,7 +37,7 @@ TINY = TinyModelConfig(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
 
 
@@ -189,11 +189,11 @@ def _ppo_step(engine, samples):
 
 
 def _two_rank_worker(rank, path, samples, init_file):
-    init_distributed(rank, 2, f"file://{init_file}")
-    engine, _ = make_engine(cap=24, adam_eps=ADAM_EPS)
-    stats, grads, weights = _ppo_step(engine, samples[rank::2])
-    if rank == 0:
-        torch.save({"loss": stats["ppo/loss"], "grads": grads, "weights": weights}, path)
+    with process_group(rank, 2, f"file://{init_file}"):
+        engine, _ = make_engine(cap=24, adam_eps=ADAM_EPS)
+        stats, grads, weights = _ppo_step(engine, samples[rank::2])
+        if rank == 0:
+            torch.save({"loss": stats["ppo/loss"], "grads": grads, "weights": weights}, path)
 
 
 def _two_ranks_fit() -> bool:

@@ -27,7 +27,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
 
 

@@ -45,7 +45,7 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "cpu" / "quicksta
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
 
 

@@ -36,7 +36,7 @@ HYBRID = TinyModelConfig(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
 
 

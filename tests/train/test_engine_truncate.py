@@ -33,7 +33,7 @@ CAP = 12  # make_samples lengths are 7, 10, 13, 16, 19: the last three are cut
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
 
 

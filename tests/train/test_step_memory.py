@@ -36,7 +36,7 @@ from tests.support.peak_memory import peak_memory
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
 
 

@@ -16,7 +16,7 @@ from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
 
 

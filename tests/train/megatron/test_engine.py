@@ -24,7 +24,7 @@ ADAM_EPS = 1e-3  # Adam's first step is ~lr*sign(g): a large eps keeps fp-noise 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
 
 

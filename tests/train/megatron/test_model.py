@@ -12,7 +12,7 @@ from tests.support.megatron_tiny import tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
     from areal_npu.train.megatron.runtime import init_parallel_state
 

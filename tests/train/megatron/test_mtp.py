@@ -27,7 +27,7 @@ MTP = MTPConfig(enabled=True, train=True, num_depths=1, loss_scale=0.3, lr_scale
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def one_process_group():
     init_distributed()
 
 

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
-from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step_outputs, tiny_qwen3  # noqa: E402
 
@@ -71,14 +71,14 @@ def _vocab_parallel_check(rank, tp):
 
 
 def _worker(rank, tp, cp, path, init_file):
-    init_distributed(rank, 2, f"file://{init_file}")
-    if tp == 2:
-        _vocab_parallel_check(rank, tp)
-    dp = 2 // (tp * cp)
-    samples = make_samples(6)
-    out = ppo_step_outputs(_engine(tp, cp), samples[rank::dp] if dp > 1 else samples)
-    if rank == 0:
-        torch.save(out, path)
+    with process_group(rank, 2, f"file://{init_file}"):
+        if tp == 2:
+            _vocab_parallel_check(rank, tp)
+        dp = 2 // (tp * cp)
+        samples = make_samples(6)
+        out = ppo_step_outputs(_engine(tp, cp), samples[rank::dp] if dp > 1 else samples)
+        if rank == 0:
+            torch.save(out, path)
 
 
 def _two_ranks_fit() -> bool:

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
-from areal_npu.train.dist import init_distributed  # noqa: E402
+from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step_outputs, tiny_qwen3  # noqa: E402
 
@@ -61,10 +61,10 @@ def _run(tp):
 
 
 def _worker(rank, path, init_file):
-    init_distributed(rank, 2, f"file://{init_file}")
-    out = _run(2)
-    if rank == 0:
-        torch.save(out, path)
+    with process_group(rank, 2, f"file://{init_file}"):
+        out = _run(2)
+        if rank == 0:
+            torch.save(out, path)
 
 
 def test_layout_check_accepts_tp_a_multiple_of_kv_heads():
