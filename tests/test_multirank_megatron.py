@@ -88,7 +88,8 @@ def test_megatron_ranks_train_like_one_rank(tmp_path, one_rank, world, tp, cp):
         torch.testing.assert_close(many["weights"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
     assert sorted(p.name for p in (many_dir / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
     optim = {p.name for p in (many_dir / "checkpoints" / "step_3").glob("optim_tp*.pt")}
-    assert optim == {f"optim_tp{r}.pt" for r in range(tp)}
+    # AdamW's moments sharded over DP x CP (ZeRO-1): one file per TP x (DP x CP) rank
+    assert optim == {f"optim_tp{t}_dp{r}.pt" for t in range(tp) for r in range(world // tp)}
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,11 +16,22 @@ under sequence parallelism, is swapped for Megatron's own stateless (inference) 
 ``initialize_rng_tracker`` API (:func:`_stateless_rng_tracker`): exact because the engine's dropout
 is 0.
 
+Activation recomputation (``train.gradient_checkpointing``): Megatron's ``CheckpointFunction``
+saves the CUDA RNG state in its forward and restores it around the recomputation in its backward
+(``_get_cuda_rng_state`` / ``_set_cuda_rng_state``); on a CPU-only build the first raises and the
+second would queue the state for a CUDA that never starts. The RNG shim (:data:`CPU_RNG_SHIMS`,
+:func:`cuda_rng_is_the_cpu_generator`) runs its forward and backward with those two reading and
+setting the CPU generator instead -- the generator the recomputed CPU code draws from, so the
+recomputation sees the forward's random stream (none is drawn anyway: dropout is 0). On the NPU
+MindSpeed's adaptor maps these CUDA RNG calls to the NPU (not run here).
+
 What is deliberately *not* shimmed, because the Megatron engine never reaches it on the CPU:
 
 - the training RNG tracker's state handling: used by weight initialisation on the device (we
-  build with ``use_cpu_initialization`` and load HF weights, no random init) and by activation
-  recomputation, which the engine refuses;
+  build with ``use_cpu_initialization`` and load HF weights, no random init); recomputation saves
+  the stateless tracker's (empty) states through the tracker's own API;
+- ``CheckpointWithoutOutput`` (selective recomputation of single modules): the engine uses full
+  recomputation only;
 - the packed-sequence refusal of the non-TE ``DotProductAttention``: the engine's layer spec uses
   its own core attention (:class:`areal_npu.train.megatron.attention.PackedCoreAttention`, our
   packed kernel), so Megatron's local attention never runs;
@@ -37,7 +48,14 @@ import threading
 
 import torch
 
-__all__ = ["CPU_DEVICE_SHIMS", "apply_cpu_patches", "cuda_device_answers_cpu", "unpatched"]
+__all__ = [
+    "CPU_DEVICE_SHIMS",
+    "CPU_RNG_SHIMS",
+    "apply_cpu_patches",
+    "cuda_device_answers_cpu",
+    "cuda_rng_is_the_cpu_generator",
+    "unpatched",
+]
 
 #: (module, attribute path, why): upstream functions that allocate on ``torch.cuda.current_device()``.
 CPU_DEVICE_SHIMS: tuple[tuple[str, str, str], ...] = (
@@ -83,6 +101,19 @@ CPU_DEVICE_SHIMS: tuple[tuple[str, str, str], ...] = (
     ),
 )
 
+RANDOM = "megatron.core.tensor_parallel.random"
+
+#: (module, attribute path, why): upstream functions that get/set the CUDA RNG state; they run
+#: inside :func:`cuda_rng_is_the_cpu_generator`. One shim: the two halves of ``CheckpointFunction``.
+CPU_RNG_SHIMS: tuple[tuple[str, str, str], ...] = (
+    (
+        RANDOM,
+        "CheckpointFunction.forward",
+        "recomputation saves the CUDA RNG state (torch.cuda.get_rng_state)",
+    ),
+    (RANDOM, "CheckpointFunction.backward", "recomputation restores the CUDA RNG state around the re-run"),
+)
+
 _ORIGINAL = "_areal_npu_original"
 _lock = threading.RLock()
 _applied: list[str] = []
@@ -101,6 +132,26 @@ def cuda_device_answers_cpu():
             torch.cuda.current_device = original
 
 
+@contextlib.contextmanager
+def cuda_rng_is_the_cpu_generator():
+    """While active, Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` get and set the CPU
+    generator's state; only used on CPU-only builds, where the real ones cannot work."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    with _lock:
+        original = mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state
+        mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+            torch.get_rng_state()
+        )
+        mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
+            new_state
+        )
+        try:
+            yield
+        finally:
+            mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = original
+
+
 def _resolve(module_name: str, path: str):
     module = importlib.import_module(module_name)
     owner = module
@@ -117,10 +168,10 @@ def unpatched(module_name: str, path: str):
     return getattr(fn, _ORIGINAL, fn)
 
 
-def _wrap(fn):
+def _wrap(fn, context=cuda_device_answers_cpu):
     @functools.wraps(fn)
     def on_cpu(*args, **kwargs):
-        with cuda_device_answers_cpu():
+        with context():
             return fn(*args, **kwargs)
 
     setattr(on_cpu, _ORIGINAL, fn)
@@ -144,8 +195,10 @@ def apply_cpu_patches() -> list[str]:
     Refuses to run where CUDA exists: there the upstream code is right as it is."""
     if torch.cuda.is_available():
         raise RuntimeError("the Megatron CPU shims are for CPU-only torch builds; CUDA is available here")
+    shims = [(shim, cuda_device_answers_cpu) for shim in CPU_DEVICE_SHIMS]
+    shims += [(shim, cuda_rng_is_the_cpu_generator) for shim in CPU_RNG_SHIMS]
     with _lock:
-        for module_name, path, _why in CPU_DEVICE_SHIMS:
+        for (module_name, path, _why), context in shims:
             key = f"{module_name}.{path}"
             if key in _applied:
                 continue
@@ -154,7 +207,7 @@ def apply_cpu_patches() -> list[str]:
             if hasattr(current, _ORIGINAL):
                 _applied.append(key)
                 continue
-            patched = _wrap(current)
+            patched = _wrap(current, context)
             setattr(owner, name, patched)
             if not isinstance(owner, type):
                 _rebind_importers(module_name, name, current, patched)

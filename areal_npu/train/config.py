@@ -30,7 +30,8 @@ class TrainEngineConfig:
     )
     dp_size: int = 1  # data-parallel trainer ranks (with megatron each a tp x cp group); areal-npu train starts tp x cp x dp processes through torchrun
     # Compute dtype: float32 | bfloat16. Parameters, gradients and optimizer states are float32
-    # either way (fp32 master weights); bfloat16 is the forward/backward copy FSDP2 casts at unshard.
+    # either way (fp32 master weights); bfloat16 is the forward/backward copy FSDP2 casts at unshard
+    # (Megatron: bf16 params refreshed after each step from fp32 masters sharded over DP x CP).
     dtype: str = "float32"
     logprob_chunk_size: int = 2048  # tokens per chunk of the [T, V] log-prob computation
     temperature: float = 1.0  # must match the behaviour log-probs (vLLM raw log-probs: 1.0)

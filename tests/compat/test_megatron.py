@@ -128,3 +128,46 @@ def test_the_rng_tracker_is_megatrons_stateless_one_and_its_fork_draws_nothing()
     with tracker.fork():
         pass
     assert torch.equal(before, torch.get_rng_state())
+
+
+RANDOM = "megatron.core.tensor_parallel.random"
+
+
+def test_upstream_recomputation_still_reads_the_cuda_rng_state():
+    """Fails once Megatron's ``CheckpointFunction`` saves its RNG states without CUDA on a CPU-only
+    build: then drop the RNG shim (:data:`CPU_RNG_SHIMS`)."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    forward = unpatched(RANDOM, "CheckpointFunction.forward")
+    try:
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+            forward(SimpleNamespace(), lambda x: x, False, torch.ones(2))
+    finally:
+        mrandom._unset_checkpointing()
+
+
+def test_patched_recomputation_replays_the_forwards_random_stream():
+    """A checkpointed dropout: the backward's re-run must draw the forward's mask (the gradient of
+    ``sum(dropout(x))`` is ``mask / (1 - p)``), and leave the CPU generator as it found it."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from areal_npu.compat.megatron import CPU_RNG_SHIMS
+
+    applied = apply_cpu_patches()
+    assert all(f"{m}.{p}" in applied and why for m, p, why in CPU_RNG_SHIMS)
+    original_get = mrandom._get_cuda_rng_state
+    queued = len(torch.cuda._queued_calls)
+    torch.manual_seed(0)
+    x = torch.ones(64, requires_grad=True)
+    y = mrandom.checkpoint(lambda t: torch.nn.functional.dropout(t, 0.5, training=True), False, x)
+    mask = y.detach() != 0
+    assert 0 < int(mask.sum()) < 64
+    torch.manual_seed(1)  # the generator moves on before the backward
+    before = torch.get_rng_state()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, mask.float() * 2.0, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert mrandom._get_cuda_rng_state is original_get  # swapped only while the shim runs
+    assert len(torch.cuda._queued_calls) == queued  # nothing queued for a CUDA that never starts

@@ -1,15 +1,19 @@
 """Atomic, resumable checkpoints of the Megatron engine, in the FSDP2 engine's directory layout.
 
 ``<root>/step_<N>/`` holds a Hugging Face checkpoint (``config.json``, ``model.safetensors`` under HF
-names: what vLLM and transformers load, whatever the TP layout), ``optim.pt`` (the layout and the
-list of optimizer shards), ``optim_tp<r>.pt`` (TP rank ``r``'s AdamW state, keyed by Megatron
-parameter name), ``trainer_state.json`` (version, scheduler, the caller's ``extra``),
+names: what vLLM and transformers load, whatever the TP layout; written from the fp32 masters),
+``optim.pt`` (the layout and the list of optimizer shards), ``optim_tp<t>_dp<r>.pt`` (TP rank
+``t`` and DP x CP rank ``r``'s slices of the AdamW moments,
+:meth:`.precision.MasterOptimizer.state_shard`, with the Megatron parameter names of its flat
+layout), ``trainer_state.json`` (version, scheduler, the caller's ``extra``),
 ``rng_rank<r>.pt`` and, written last, ``manifest.json`` (:mod:`areal_npu.train.manifest`), through the
 directory protocol of :func:`areal_npu.train.checkpoint.write_checkpoint` (temporary directory renamed
 into place when complete, then ``latest``), so ``checkpoint_to_resume`` works unchanged.
 
-Weights load into any TP layout (they are HF tensors); the optimizer state is per TP shard, so a
-resume must keep ``tp_size`` (refused otherwise, naming both sizes).
+Weights load into any TP layout (they are HF tensors) and become the fp32 masters; the optimizer
+state is per TP shard, so a resume must keep ``tp_size`` (refused otherwise, naming both sizes),
+but not the DP x CP size: each rank reads every saved slice of its TP shard and re-slices them
+(:meth:`.precision.MasterOptimizer.load_state_shards`).
 """
 
 from __future__ import annotations
@@ -25,16 +29,8 @@ from areal_npu.train.megatron import convert
 __all__ = ["load_checkpoint", "save_checkpoint", "write_hf_checkpoint"]
 
 
-def _optimizer_state(engine) -> dict:
-    """AdamW state keyed by Megatron parameter name (not by position)."""
-    names = {id(p): n for n, p in engine.named_mcore_parameters().items()}  # the MTP layer's too
-    state = engine.optimizer.state_dict()
-    order = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
-    return {
-        "state": {order[i]: s for i, s in state["state"].items()},
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
-        "order": order,
-    }
+def _shard_file(tp_rank: int, dp_cp_rank: int) -> str:
+    return f"optim_tp{tp_rank}_dp{dp_cp_rank}.pt"
 
 
 def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
@@ -60,12 +56,13 @@ def save_checkpoint(
 
     def write_files(tmp: Path) -> None:
         tensors = dict(engine.full_state_dict())  # collective over TP
-        if dist.get_rank(engine.dp_cp_group) == 0:  # one copy of each TP shard
-            torch.save(_optimizer_state(engine), tmp / f"optim_tp{engine.tp_rank}.pt")
+        shard = engine.optimizer.state_shard()  # this rank's slices (every rank writes its own)
+        torch.save(shard, tmp / _shard_file(engine.tp_rank, shard["rank"]))
         write_hf_checkpoint(engine, tmp, tokenizer, tensors)
         if dist.get_rank() == 0:
-            tp = engine.config.megatron.tp_size
-            torch.save({"tp_size": tp, "shards": [f"optim_tp{r}.pt" for r in range(tp)]}, tmp / "optim.pt")
+            tp, world = engine.config.megatron.tp_size, shard["world"]
+            files = [[_shard_file(t, r) for r in range(world)] for t in range(tp)]
+            torch.save({"tp_size": tp, "dp_cp_size": world, "shards": files}, tmp / "optim.pt")
 
     state = {"version": engine.version, "scheduler": engine.scheduler.state_dict(), "extra": extra or {}}
     return write_checkpoint(root, engine.version, write_files, state, keep_last)
@@ -85,29 +82,21 @@ def load_checkpoint(engine, path: str | Path) -> dict:
     hf = load_file(str(path / "model.safetensors"))
     head = {n: hf.pop(n) for n in list(hf) if n.startswith("mtp.")}
     state = convert.hf_to_mcore(hf, engine.shape, engine.tp_rank, engine.config.megatron.tp_size)
+    from areal_npu.train.megatron.engine import MTP_MODULE
+
     if engine.mtp is not None:
-        from areal_npu.train.megatron.engine import MTP_MODULE
         from areal_npu.train.megatron.mtp import mtp_hf_to_mcore
 
-        state.update((MTP_MODULE + n, t) for n, t in mtp_hf_to_mcore(head, engine.shape).items())
-    named = engine.named_mcore_parameters()
-    with torch.no_grad():
-        for name, tensor in state.items():
-            named[name].copy_(tensor)
-    saved = torch.load(path / f"optim_tp{engine.tp_rank}.pt", weights_only=False)
-    current = _optimizer_state(engine)
-    if saved["order"] != current["order"]:
-        raise ValueError(f"{path}: optimizer parameters differ from this engine's")
-    position = {n: i for i, n in enumerate(current["order"])}
-    engine.optimizer.load_state_dict(
-        {
-            "state": {position[n]: s for n, s in saved["state"].items()},
-            "param_groups": [
-                dict(g, params=list(own["params"]))
-                for g, own in zip(saved["param_groups"], engine.optimizer.state_dict()["param_groups"])
-            ],
-        }
-    )
+        head = mtp_hf_to_mcore(head, engine.shape, engine.tp_rank, engine.config.megatron.tp_size)
+        state.update((MTP_MODULE + n, t) for n, t in head.items())
+    opt = engine.optimizer  # the fp32 masters from the HF weights (written from them), then the moments
+    for i, prefix in enumerate(("", MTP_MODULE)[: len(opt.groups)]):
+        opt.load_masters({n: state[prefix + n] for n in opt.names(i)}, i)
+    shards = [torch.load(path / f, weights_only=False) for f in index["shards"][engine.tp_rank]]
+    try:
+        opt.load_state_shards(shards)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     trainer = read_trainer_state(path)
     engine.scheduler.load_state_dict(trainer["scheduler"])
     engine.version = int(trainer["version"])

@@ -47,17 +47,6 @@ def check_megatron_config(train) -> None:
             "megatron.sequence_parallel",
             f"not wired together with context parallelism (cp_size={layout.cp_size})",
         )
-    if train.dtype != "float32":
-        raise ConfigError(
-            "dtype", f"the Megatron engine trains in float32 only so far (got {train.dtype!r}): bf16 needs "
-            "fp32 master weights (Megatron's DistributedOptimizer), not wired yet",
-        )  # fmt: skip
-    if train.gradient_checkpointing:
-        raise ConfigError(
-            "gradient_checkpointing",
-            "not wired into the Megatron engine yet (Megatron's recomputation saves CUDA RNG states: "
-            "not on the CPU either)",
-        )
 
 
 def check_loss_layout(loss, cp_size: int) -> None:

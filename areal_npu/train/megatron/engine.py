@@ -21,21 +21,24 @@ The MTP head (``mtp.*``, joint training, depth 1, any TP, one CP rank) is Megatr
 Megatron's block differs from our head and what is done instead); it has its own optimizer group
 (``lr x mtp.lr_scale``) and is clipped apart from the policy, as in the FSDP2 engine.
 
+``train.dtype`` is the compute dtype (bf16 or float32): fp32 master weights, fp32 gradient
+accumulation and reduction, and AdamW's states sharded over DP x CP (ZeRO-1; our own, not
+Megatron's DistributedOptimizer: :mod:`.precision` says why).
+
+Recomputation (``train.gradient_checkpointing``) is Megatron's own (:func:`.model.recompute_fields`).
 Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config`,
 :func:`areal_npu.train.megatron.mtp.check_mtp` or the constructor with a sentence): pipeline
-parallelism, sequence parallelism, recomputation, bf16 with fp32 master weights / Megatron's
-DistributedOptimizer (this engine steps a plain ``torch.optim.AdamW`` on its local shards).
+parallelism, sequence parallelism together with CP, Qwen3.5's Gated DeltaNet layers (Megatron-Core
+0.16.1's ``GatedDeltaNet`` refuses packed sequences and needs FLA; MindSpeed's is not wired).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from areal_npu.algo.guard import NonFiniteError
 from areal_npu.data.context_parallel import cp_gather
 from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
 from areal_npu.data.packing import packing_stats, plan_micro_batches
@@ -48,9 +51,9 @@ from areal_npu.train.forward import prediction_fields
 from areal_npu.train.losses import Loss
 from areal_npu.train.megatron import convert
 from areal_npu.train.megatron.config import check_loss_layout, check_megatron_config
-from areal_npu.train.megatron.grads import clip_groups, sharded_grad_norm
+from areal_npu.train.megatron.grads import sharded_grad_norm
 from areal_npu.train.megatron.logprobs import vocab_parallel_logprobs_entropy
-from areal_npu.train.megatron.model import build_gpt_model, decoder_hidden_states, gpt_shape
+from areal_npu.train.megatron.model import build_gpt_model, decoder_hidden_states, gpt_shape, model_options
 from areal_npu.train.megatron.mtp import (
     MTP_TP_PARTIAL,
     MTP_TP_SHARDED,
@@ -64,8 +67,8 @@ from areal_npu.train.megatron.mtp import (
     vocab_parallel_mtp_loss,
 )
 from areal_npu.train.megatron.packing import MegatronMicroBatch, check_same_samples, to_megatron
+from areal_npu.train.megatron.precision import MasterOptimizer, optimizer_step
 from areal_npu.train.megatron.runtime import init_parallel_state
-from areal_npu.train.optim import build_optimizer
 from areal_npu.train.stats import merge_stats, minibatch_train_step
 
 __all__ = ["MTP_MODULE", "MegatronEngine", "check_mtp"]
@@ -119,13 +122,8 @@ class MegatronEngine:
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.tp_cp_group = ps.get_tensor_and_context_parallel_group()
 
-        self.module = build_gpt_model(
-            hf_config,
-            tp_size=layout.tp_size,
-            cp_size=layout.cp_size,
-            device=self.device,
-            sequence_parallel=layout.sequence_parallel,
-        )
+        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        self.module = build_gpt_model(hf_config, device=self.device, dtype=dtype, **model_options(config))
         state = convert.hf_to_mcore(hf_state, self.shape, self.tp_rank, layout.tp_size)
         missing, unexpected = self.module.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -148,14 +146,16 @@ class MegatronEngine:
             if not hasattr(named[name], "tensor_model_parallel"):
                 set_tensor_model_parallel_attributes(named[name], True, dim, 1)
         self.vocab_start = self.tp_rank * (self.shape.vocab_size // layout.tp_size)
-        groups = [{"params": [p for _, p in self.module.named_parameters()]}]
+        groups = [{"named": named, "init": state}]  # the masters from the loaded fp32 values
         if self.mtp_config.enabled:
-            self.mtp = build_mtp_layer(hf_config, layout.tp_size, device=self.device)
+            recompute = config.gradient_checkpointing
+            self.mtp = build_mtp_layer(hf_config, layout.tp_size, dtype, self.device, recompute)
             state = mtp_hf_to_mcore(mtp_state, self.shape, self.tp_rank, layout.tp_size)
             self.mtp.load_state_dict(state, strict=True)
             mtp_lr = config.optim.lr * self.mtp_config.lr_scale
-            groups.append({"params": list(self.mtp.parameters()), "lr": mtp_lr})
-        self.optimizer, self.scheduler = build_optimizer(groups, config.optim)
+            groups.append({"named": dict(self.mtp.named_parameters()), "init": state, "lr": mtp_lr})
+        self.optimizer = MasterOptimizer(groups, config.optim, self.dp_cp_group)
+        self.scheduler = self.optimizer.scheduler
 
     # ---- construction helpers ------------------------------------------------------------------
     @classmethod
@@ -314,7 +314,7 @@ class MegatronEngine:
         self.module.train()
         if self.mtp is not None:
             self.mtp.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         per_mb_stats = []
         for mb, mtp_arg in zip(mbs, mtp_args):
             logp, entropy, aux, aux_stats = self._logprobs(mb, mtp_arg)
@@ -339,48 +339,29 @@ class MegatronEngine:
         return stats
 
     def _reduce_gradients(self) -> None:
-        """Sum gradients over the DP x CP group (each rank's loss covers its own tokens), and the
-        per-head q/k norms' partial gradients over TP (each TP rank normalises its own heads)."""
-        named = dict(self.module.named_parameters())
+        """Sum the fp32 gradients over the DP x CP group (each rank's loss covers its own tokens),
+        and the per-head q/k norms' partial gradients over TP (each TP rank normalises its own heads)."""
         if dist.get_world_size(self.tp_group) > 1:
-            partial = [named[n] for n in self._tp_partial]
+            partial = [self.optimizer.grads(0)[n] for n in self._tp_partial]
             if self.mtp is not None:
-                head = dict(self.mtp.named_parameters())
-                partial += [head[n] for n in MTP_TP_PARTIAL]
-            all_reduce_flat([p.grad for p in partial if p.grad is not None], self.tp_group)
+                partial += [self.optimizer.grads(1)[n] for n in MTP_TP_PARTIAL]
+            all_reduce_flat(partial, self.tp_group)
         if dist.get_world_size(self.dp_cp_group) > 1:
-            params = list(named.values()) + (list(self.mtp.parameters()) if self.mtp is not None else [])
-            all_reduce_flat([p.grad for p in params if p.grad is not None], self.dp_cp_group)
+            for buffer in self.optimizer.grad_buffers():
+                dist.all_reduce(buffer, group=self.dp_cp_group)
+        self.optimizer.expose_grads()
 
     def grad_norm(self, mtp: bool = False) -> float:
         """Global L2 norm of the policy's gradient over TP shards (``mtp``: the MTP head's, one TP rank)."""
-        if mtp:
-            return sharded_grad_norm(self.mtp.named_parameters(), MTP_TP_SHARDED, self.tp_group, self.device)
-        return sharded_grad_norm(self.module.named_parameters(), self._tp_sharded, self.tp_group, self.device)
+        grads = self.optimizer.grads(1 if mtp else 0).items()
+        return sharded_grad_norm(
+            grads, MTP_TP_SHARDED if mtp else self._tp_sharded, self.tp_group, self.device
+        )
 
     def optimizer_step(self, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
-        """Clip (the policy and the MTP head apart, :mod:`.grads`), check and apply the gradients;
-        bumps the version."""
-        step = self.version if step is None else step
-        groups = [(self.grad_norm(), list(self.module.parameters()))]
-        if self.mtp is not None:
-            groups.append((self.grad_norm(mtp=True), list(self.mtp.parameters())))
-        norms = [n for n, _ in groups]
-        if not all(math.isfinite(n) for n in norms):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(
-                step, "grad_norm", f"step {step}: gradient norms {norms}; update not applied"
-            )
-        clip_groups(groups, self.config.optim.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        if bump_version:
-            self.version += 1
-        return {
-            "train/grad_norm": norms[0],
-            "train/lr": self.scheduler.get_last_lr()[0],
-            "train/version": float(self.version),
-        }
+        """Clip (the policy and the MTP head apart), check and apply the gradients to the fp32
+        masters, refresh the params (:func:`.precision.optimizer_step`); bumps the version."""
+        return optimizer_step(self, step, bump_version)
 
     # ---- weights -------------------------------------------------------------------------------
     def named_mcore_parameters(self) -> dict[str, torch.Tensor]:
@@ -392,31 +373,24 @@ class MegatronEngine:
         return named
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full CPU tensor) for every weight. Collective over the TP group: every rank
-        iterates (ranks of other TP groups hold copies and may iterate too). ``mtp.*`` last."""
-        yield from convert.gathered_hf_tensors(
-            dict(self.module.named_parameters()), self.shape, self.tp_group
-        )
+        """(HF name, full fp32 CPU tensor) for every weight, from the fp32 masters. Collective over
+        every rank (masters sharded over DP x CP, shards over TP). ``mtp.*`` last."""
+        yield from convert.gathered_hf_tensors(self.optimizer.masters(0), self.shape, self.tp_group)
         if self.mtp is not None:
-            yield from mtp_mcore_to_hf(dict(self.mtp.named_parameters()), self.shape, self.tp_group)
+            yield from mtp_mcore_to_hf(self.optimizer.masters(1), self.shape, self.tp_group)
 
     def hf_grads(self) -> dict[str, torch.Tensor]:
-        """The accumulated gradients under HF names, full tensors (collective over TP)."""
-
-        def grads(module):
-            return {
-                n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in module.named_parameters()
-            }
-
-        out = dict(convert.gathered_hf_tensors(grads(self.module), self.shape, self.tp_group))
+        """The accumulated fp32 gradients under HF names, full tensors (collective over TP)."""
+        out = dict(convert.gathered_hf_tensors(self.optimizer.grads(0), self.shape, self.tp_group))
         if self.mtp is not None:
-            out.update(mtp_mcore_to_hf(grads(self.mtp), self.shape, self.tp_group, grads=True))
+            out.update(mtp_mcore_to_hf(self.optimizer.grads(1), self.shape, self.tp_group, grads=True))
         return out
 
     def export_buckets(self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")):
         """Weights for the rollout sync in size-bounded buckets, ``(kind, [(hf_name, tensor), ...])``,
         as :meth:`areal_npu.train.fsdp2.FSDPEngine.export_buckets`: ``policy`` buckets, then the
-        head's ``mtp.*`` (a bucket holds one kind: vLLM loads the drafter apart). Collective over TP."""
+        head's ``mtp.*`` (a bucket holds one kind: vLLM loads the drafter apart), in the compute
+        dtype (the params the forward uses). Collective over TP."""
         unknown = sorted(set(kinds) - {"policy", "mtp", "vision"})
         if unknown:
             raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp or vision")

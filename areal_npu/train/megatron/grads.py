@@ -15,15 +15,15 @@ import torch.distributed as dist
 __all__ = ["clip_groups", "sharded_grad_norm"]
 
 
-def sharded_grad_norm(named_params: Iterable, tp_sharded: set[str], tp_group=None, device=None) -> float:
-    """Global L2 norm of the gradients: TP-sharded parameters (``tp_sharded`` names) summed over
-    ``tp_group``, replicated ones (norms) counted once."""
+def sharded_grad_norm(named_grads: Iterable, tp_sharded: set[str], tp_group=None, device=None) -> float:
+    """Global L2 norm of the gradients ``(name, grad or None)``: TP-sharded parameters
+    (``tp_sharded`` names) summed over ``tp_group``, replicated ones (norms) counted once."""
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
-    for name, p in named_params:
-        if p.grad is None:
+    for name, grad in named_grads:
+        if grad is None:
             continue
-        sq = p.grad.double().pow(2).sum()
+        sq = grad.double().pow(2).sum()
         if name in tp_sharded:
             sharded += sq
         else:
@@ -33,14 +33,13 @@ def sharded_grad_norm(named_params: Iterable, tp_sharded: set[str], tp_group=Non
     return float((sharded + replicated).sqrt())
 
 
-def clip_groups(groups: Iterable[tuple[float, Iterable[torch.nn.Parameter]]], clip: float) -> None:
-    """Scale each group's gradients by ``clip / (norm + 1e-6)`` where its ``norm`` exceeds ``clip``
+def clip_groups(groups: Iterable[tuple[float, Iterable[torch.Tensor]]], clip: float) -> None:
+    """Scale each group's gradients (tensors, in place) by ``clip / (norm + 1e-6)`` where its ``norm`` exceeds ``clip``
     (``torch.nn.utils.clip_grad_norm_``'s coefficient); ``clip <= 0``: no clipping."""
     if clip <= 0:
         return
-    for norm, params in groups:
+    for norm, grads in groups:
         if norm > clip:
             scale = clip / (norm + 1e-6)
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            for grad in grads:
+                grad.mul_(scale)

@@ -5,10 +5,18 @@ What runs where:
 - **Qwen3 dense** (``model_type: qwen3``): here, on every device. Local layer spec (Megatron's own
   ``ColumnParallelLinear`` / ``RowParallelLinear``, torch ``RMSNorm``) with the core attention
   replaced by :class:`areal_npu.train.megatron.attention.PackedCoreAttention` (our packed kernel).
-- **Qwen3.5 / 3.6** (Gated DeltaNet hybrids, ``qwen3_5*``): not in Megatron-Core 0.16; on the
-  Ascend images it is meant to run through MindSpeed's Gated DeltaNet (unverified: no NPU here).
-  Refused on the CPU and CUDA with a sentence saying so; train it with ``train.backend: fsdp2``.
+- **Qwen3.5 / 3.6** (Gated DeltaNet hybrids, ``qwen3_5*``): not wired, on every device, with a
+  sentence saying so; train it with ``train.backend: fsdp2``. Megatron-Core 0.16.1 has a
+  ``GatedDeltaNet`` (``megatron/core/ssm/gated_delta_net.py``) but it refuses packed (THD) sequences
+  and needs FLA's Triton kernels; MindSpeed's NPU Gated DeltaNet is the intended path (not wired).
 - Refused everywhere (a sentence each): attention bias, sliding windows, RoPE scaling, MoE.
+
+Recomputation (``train.gradient_checkpointing``, :func:`recompute_fields`): Megatron's own full,
+uniform, one-layer recomputation -- each decoder layer's forward runs again in backward through
+``megatron.core.tensor_parallel.random.CheckpointFunction``, which saves and restores the RNG
+states (on the CPU through :mod:`areal_npu.compat.megatron`'s RNG shim; on the NPU MindSpeed's
+adaptor maps the CUDA RNG calls, unverified here). The core attention runs again inside it: it is
+deterministic (no dropout; the same kernel and inputs).
 
 The mapping HF <-> Megatron of the config (this module) and the weights
 (:mod:`areal_npu.train.megatron.convert`) is written out explicitly; on the images Megatron-Bridge
@@ -31,6 +39,8 @@ __all__ = [
     "decoder_hidden_states",
     "gpt_shape",
     "layer_spec",
+    "model_options",
+    "recompute_fields",
     "transformer_config",
 ]
 
@@ -48,8 +58,9 @@ def check_supported(hf_config, device_type: str = "cpu") -> None:
     model_type = getattr(cfg, "model_type", None)
     if model_type in QWEN35_TYPES or "linear_attention" in (getattr(cfg, "layer_types", None) or []):
         raise NotImplementedError(
-            f"{model_type}: Qwen3.5/3.6 (Gated DeltaNet) is not in Megatron-Core 0.16; it runs through "
-            f"MindSpeed on the NPU only (unverified), not on {device_type}. Use train.backend=fsdp2 here"
+            f"{model_type}: Qwen3.5/3.6 (Gated DeltaNet) is not wired into the Megatron engine (on "
+            f"{device_type} or any device: Megatron-Core 0.16.1's GatedDeltaNet refuses packed sequences, "
+            "MindSpeed's is not wired). Use train.backend=fsdp2"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(
@@ -149,10 +160,12 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     cpu_init: bool = True,
     sequence_parallel: bool = False,
+    recompute: bool = False,
     **overrides,
 ):
     """Megatron ``TransformerConfig`` equal in function to the HF Qwen3 config (``overrides``: more
-    ``TransformerConfig`` fields, e.g. the MTP layer's ``attention_output_gate``).
+    ``TransformerConfig`` fields, e.g. the MTP layer's ``attention_output_gate``; ``recompute``:
+    :func:`recompute_fields`).
 
     Qwen3 layer: ``x + o(attn(rope(q_norm(q)), rope(k_norm(k)), v))`` with pre-RMSNorm, then
     ``x + down(silu(gate(n(x))) * up(n(x)))``; Megatron: qk_layernorm, gated_linear_unit with silu,
@@ -194,7 +207,28 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        **recompute_fields(recompute),
         **overrides,
+    )
+
+
+def recompute_fields(recompute: bool) -> dict:
+    """``TransformerConfig`` fields of activation recomputation: every decoder layer (and the MTP
+    layer, :func:`areal_npu.train.megatron.mtp.mtp_forward`) keeps only its input and runs its
+    forward again in backward (``full`` granularity, ``uniform`` method, one layer per unit)."""
+    if not recompute:
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def model_options(train) -> dict:
+    """The :func:`build_gpt_model` keywords of a ``train`` config (``backend: megatron``)."""
+    layout = train.megatron
+    return dict(
+        tp_size=layout.tp_size,
+        cp_size=layout.cp_size,
+        sequence_parallel=layout.sequence_parallel,
+        recompute=train.gradient_checkpointing,
     )
 
 
@@ -208,7 +242,8 @@ class TorchRMSNorm:
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
         if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
             raise NotImplementedError("TorchRMSNorm is a plain RMSNorm (no zero-centred gamma)")
-        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        # in the compute dtype, as every Megatron layer's params_dtype (bf16: fp32 masters elsewhere)
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         norm.weight.sequence_parallel = bool(config.sequence_parallel)
         return norm
 
@@ -244,10 +279,12 @@ def build_gpt_model(
     dtype=torch.float32,
     device=None,
     sequence_parallel: bool = False,
+    recompute: bool = False,
 ):
     """An uninitialised ``GPTModel`` for ``hf_config`` on ``device`` (load weights with
     :func:`areal_npu.train.megatron.convert.load_hf_weights`). Needs :func:`init_parallel_state`.
-    ``sequence_parallel``: the decoder's output is this TP rank's share of the tokens."""
+    ``sequence_parallel``: the decoder's output is this TP rank's share of the tokens; ``recompute``:
+    each decoder layer recomputed in backward (:func:`recompute_fields`)."""
     from areal_npu.platform import current_platform
 
     platform = current_platform()
@@ -262,6 +299,7 @@ def build_gpt_model(
         dtype=dtype,
         cpu_init=platform.device_type == "cpu",
         sequence_parallel=sequence_parallel,
+        recompute=recompute,
     )
     shape = gpt_shape(hf_config)
     model = GPTModel(

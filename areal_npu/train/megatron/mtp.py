@@ -37,6 +37,7 @@ training (``mtp.train`` without ``mtp_only``). Each refused with a sentence.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -116,19 +117,27 @@ def head_state(lm, mtp, mtp_config: MTPConfig | None, layout) -> dict[str, torch
     return {"mtp." + n: p for n, p in mtp.state_dict().items()} if mtp is not None else None
 
 
-def mtp_transformer_config(hf_config, tp_size: int = 1, dtype=torch.float32, cpu_init: bool = True):
+def mtp_transformer_config(
+    hf_config, tp_size: int = 1, dtype=torch.float32, cpu_init: bool = True, recompute: bool = False
+):
     """The decoder's ``TransformerConfig`` plus Qwen3.5's output gate (the MTP layer's attention);
     never sequence-parallel (the engine hands it the gathered hidden states)."""
     from areal_npu.train.megatron.model import transformer_config
 
     return transformer_config(
-        hf_config, tp_size=tp_size, dtype=dtype, cpu_init=cpu_init, attention_output_gate=True
+        hf_config,
+        tp_size=tp_size,
+        dtype=dtype,
+        cpu_init=cpu_init,
+        recompute=recompute,
+        attention_output_gate=True,
     )
 
 
-def build_mtp_layer(hf_config, tp_size: int = 1, dtype=torch.float32, device=None):
+def build_mtp_layer(hf_config, tp_size: int = 1, dtype=torch.float32, device=None, recompute: bool = False):
     """Megatron's ``MultiTokenPredictionLayer`` with the engine's local layer spec (packed core
-    attention) and local norms / column-parallel ``eh_proj``. Needs the parallel state."""
+    attention) and local norms / column-parallel ``eh_proj``. Needs the parallel state.
+    ``recompute``: the layer is recomputed in backward while training (:func:`mtp_forward`)."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.multi_token_prediction import (
@@ -140,7 +149,7 @@ def build_mtp_layer(hf_config, tp_size: int = 1, dtype=torch.float32, device=Non
     from areal_npu.train.megatron.model import layer_spec
 
     platform = current_platform()
-    cfg = mtp_transformer_config(hf_config, tp_size, dtype, cpu_init=platform.device_type == "cpu")
+    cfg = mtp_transformer_config(hf_config, tp_size, dtype, platform.device_type == "cpu", recompute)
     spec = get_mtp_layer_spec_for_backend(layer_spec(), LocalSpecProvider())
     layer = MultiTokenPredictionLayer(
         config=cfg,
@@ -148,6 +157,10 @@ def build_mtp_layer(hf_config, tp_size: int = 1, dtype=torch.float32, device=Non
         layer_number=1,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
     )
+    # Megatron's local norms (enorm, hnorm, final_layernorm) are built in float32 whatever
+    # params_dtype (Megatron casts the whole model in its Float16Module): the compute dtype here
+    for p in layer.parameters():
+        p.data = p.data.to(dtype)
     return layer.to(device=device or platform.current_device())
 
 
@@ -170,16 +183,27 @@ def mtp_forward(
     """Depth-1 post-norm MTP hidden state ``[t, H]``: ``hidden`` ``[t, H]`` (decoder final norm, all
     tokens) and ``embed_weight`` (this rank's vocabulary rows) are used detached; ``embed_ids``
     ``[t]`` = ``ids_{t+1}`` (item 1 of the module docstring); ``rotary_pos_emb`` the decoder's table
-    (positions ``pos_t``)."""
+    (positions ``pos_t``).
+
+    With recomputation (``recompute_granularity == "full"``, training) the layer goes through
+    Megatron's own ``MultiTokenPredictionLayer._checkpointed_forward``. Two differences from its
+    ``forward``: the non-tensor ``packed_seq_params`` is bound in a closure (``CheckpointFunction``
+    saves every positional argument with ``save_for_backward``, which takes tensors only), and the
+    detached hidden state is a fresh leaf that requires grad (a checkpointed function whose inputs
+    need no gradient has an output that needs none: the layer's weights would get no gradient). That
+    leaf's gradient is dropped, so the isolation stays."""
     decoder_input = vocab_parallel_embedding(embed_ids.to(hidden.device), embed_weight, vocab_start, tp_group)
-    out = layer._proj_and_transformer_layer(
-        hidden_states=hidden.detach()[:, None],
-        decoder_input=decoder_input[:, None],
+    run = functools.partial(
+        layer._proj_and_transformer_layer,
         attention_mask=None,
         rotary_pos_emb=rotary_pos_emb,
         packed_seq_params=packed_seq_params,
     )
-    return out[:, 0]
+    inputs = dict(hidden_states=hidden.detach()[:, None], decoder_input=decoder_input[:, None])
+    if layer.config.recompute_granularity == "full" and layer.training:
+        inputs["hidden_states"].requires_grad_(True)
+        return layer._checkpointed_forward(run, **inputs)[:, 0]
+    return run(**inputs)[:, 0]
 
 
 def mtp_targets(mbs, plan, samples, pad_token_id: int, device, dp_group) -> list[dict]:

@@ -154,8 +154,6 @@ def test_options_it_cannot_honour_are_refused():
         megatron_config(2, packing=PackingConfig(tp_size=4)).validate()
     for kwargs, key in (
         (dict(megatron=MegatronLayoutConfig(sequence_parallel=True)), "megatron.sequence_parallel"),
-        (dict(gradient_checkpointing=True), "gradient_checkpointing"),
-        (dict(dtype="bfloat16"), "dtype"),
         (dict(megatron=MegatronLayoutConfig(pp_size=2)), "megatron.pp_size"),
     ):
         with pytest.raises(ConfigError, match=key):

@@ -69,7 +69,7 @@ def test_qwen35_is_refused_with_a_sentence():
     from areal_npu.model.tiny import TinyModelConfig, hf_config
     from areal_npu.train.megatron.model import check_supported
 
-    with pytest.raises(NotImplementedError, match="Gated DeltaNet.*MindSpeed on the NPU only"):
+    with pytest.raises(NotImplementedError, match="Gated DeltaNet.*not wired into the Megatron engine"):
         check_supported(hf_config(TinyModelConfig(linear_attention_every=2)), "cpu")
     with pytest.raises(NotImplementedError, match="MindSpeed"):
         check_supported(hf_config(TinyModelConfig()), "cpu")  # qwen3_5_text, even all full attention

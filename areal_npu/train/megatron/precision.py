@@ -1,0 +1,251 @@
+"""fp32 master weights and the distributed optimizer (ZeRO-1) of the Megatron engine.
+
+The model computes in ``train.dtype`` (bf16 or float32). Each parameter group (the policy, the MTP
+head: its own lr, clipped apart) has one flat fp32 gradient buffer, *not* sharded: a
+post-accumulate-grad hook adds every backward's gradient into it (fp32 over micro-batches, then
+summed over ranks in fp32 by the engine) and frees the bf16 ``.grad``. The fp32 masters and AdamW's
+two moments are sharded over the DP x CP group (the group the gradients are summed over, as
+Megatron's DistributedOptimizer shards): rank ``r`` of ``w`` owns the contiguous slice
+``[r s, (r + 1) s)`` of the flat buffer (padded to ``w s``), steps ``torch.optim.AdamW`` on it
+(elementwise: a sliced step equals the full one bit for bit), and the updated slices, cast to the
+compute dtype, are all-gathered into every rank's parameters. With float32 the same path runs
+(the masters are fp32 copies of the params, the gather copies them back: exact), and the params'
+``.grad`` is pointed at the fp32 buffer after the reduction (as before).
+
+Gradients are all-reduced (not reduce-scattered) over DP x CP: every rank keeps the full summed
+gradient, so the norms, the clipping and :meth:`hf_grads` read it as before; Megatron's
+DistributedOptimizer reduce-scatters instead (half the gradient traffic). Same memory (the memory
+model's "fp32 gradients not sharded"), more communication.
+
+Why not Megatron-Core's own ``DistributedOptimizer`` (0.16.1, tried first on the CPU over gloo;
+``DistributedDataParallel`` itself builds there under the ``current_device`` shim):
+its constructor (``_build_model_and_main_param_groups``) accepts a parameter only if
+``param.type()`` is ``'torch.cuda.{Half,BFloat16,Float}Tensor'`` and raises ``TypeError`` for a CPU
+tensor, and ``MixedPrecisionOptimizer`` / ``clip_grads`` allocate with the literal
+``device='cuda'`` (not the ``torch.cuda.current_device()`` that :mod:`areal_npu.compat.megatron`
+redirects): shimming those means patching ``torch.Tensor.type`` / ``torch.tensor`` process-wide.
+Its semantics differ too: ``ChainedOptimizer`` clips every chained optimizer by one joint norm
+(the policy and the MTP head are clipped apart here), and ``finalize_model_grads`` all-reduces
+norm gradients over TP only for sequence-parallel parameters (the per-head q/k norms are
+TP-partial always). On the NPU, MindSpeed's path could use it; this engine does not yet.
+
+Checkpoints (:mod:`.checkpoint`): weights are written from the fp32 masters (HF names); each rank
+saves its slices of the moments, and a resume concatenates the saved slices and re-slices them,
+so the DP x CP size may change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from areal_npu.train.optim import OptimConfig, build_optimizer
+
+__all__ = ["MasterOptimizer"]
+
+
+class _Group:
+    """One parameter group's flat layout: names, params, offsets, fp32 gradient buffer, master slice."""
+
+    def __init__(self, named: Mapping[str, torch.nn.Parameter], init, lr, rank: int, world: int):
+        self.names = list(named)
+        self.params = [named[n] for n in self.names]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"one compute dtype per parameter group, got {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.numel = sum(p.numel() for p in self.params)
+        self.shard = -(-self.numel // world)  # ceil: every rank owns one slice (the last padded)
+        self.start = rank * self.shard
+        device = self.params[0].device
+        self.grad = torch.zeros(self.shard * world, dtype=torch.float32, device=device)
+        self.views, offset = {}, 0
+        for name, p in zip(self.names, self.params):
+            self.views[name] = self.grad[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        full = self.flat_fp32({n: (init or {}).get(n, named[n]) for n in self.names})
+        self.master = torch.nn.Parameter(full[self.start : self.start + self.shard].clone())
+        self.lr = lr
+
+    def flat_fp32(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The flat fp32 buffer (padded) of ``tensors`` (this group's names)."""
+        flat = torch.zeros_like(self.grad)
+        offset = 0
+        for name, p in zip(self.names, self.params):
+            flat[offset : offset + p.numel()] = tensors[name].detach().reshape(-1).to(flat)
+            offset += p.numel()
+        return flat
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for name, p in zip(self.names, self.params):
+            out[name] = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        return out
+
+
+class MasterOptimizer:
+    """AdamW on fp32 master slices sharded over ``group`` (None: one rank), for parameters that
+    compute in bf16 or float32. ``groups``: ``{"named": {name: param}, "init": {name: fp32
+    tensor} or None, "lr": float or None}``; ``init`` gives the masters their fp32 values (the
+    loaded checkpoint's, not the bf16-rounded params)."""
+
+    def __init__(self, groups: list[dict], cfg: OptimConfig, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.groups = [_Group(g["named"], g.get("init"), g.get("lr"), self.rank, self.world) for g in groups]
+        param_groups = [
+            {"params": [g.master], **({"lr": g.lr} if g.lr is not None else {})} for g in self.groups
+        ]
+        self.optimizer, self.scheduler = build_optimizer(param_groups, cfg)
+        for g in self.groups:
+            for name, p in zip(g.names, g.params):
+                p.register_post_accumulate_grad_hook(self._accumulate(g.views[name]))
+
+    @staticmethod
+    def _accumulate(view: torch.Tensor):
+        def hook(param: torch.Tensor) -> None:
+            view.add_(param.grad)  # fp32 += this backward's gradient (any dtype)
+            param.grad = None
+
+        return hook
+
+    # ---- gradients -------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grad.zero_()
+            g.master.grad = None
+            for p in g.params:
+                p.grad = None
+
+    def grads(self, index: int) -> dict[str, torch.Tensor]:
+        """Group ``index``'s accumulated fp32 gradients by name (views of its buffer)."""
+        return self.groups[index].views
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return [g.grad for g in self.groups]
+
+    def expose_grads(self) -> None:
+        """float32 params: ``.grad`` = the fp32 buffer's view (bf16 params keep ``None``)."""
+        for g in self.groups:
+            if g.dtype == torch.float32:
+                for name, p in zip(g.names, g.params):
+                    p.grad = g.views[name]
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> None:
+        """AdamW on this rank's slices, one schedule step, then every rank's params from the masters."""
+        for g in self.groups:
+            g.master.grad = g.grad[g.start : g.start + g.shard]
+        self.optimizer.step()
+        self.scheduler.step()
+        for g in self.groups:
+            g.master.grad = None
+        self.refresh_params()
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        for g in self.groups:
+            local = g.master.detach().to(g.dtype)
+            full = g.unflatten(self._gather(local))
+            for name, p in zip(g.names, g.params):
+                p.copy_(full[name])
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return local
+        full = torch.empty(local.numel() * self.world, dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(full, local.contiguous(), group=self.group)
+        return full
+
+    # ---- weights and state ------------------------------------------------------------------
+    @torch.no_grad()
+    def masters(self, index: int) -> dict[str, torch.Tensor]:
+        """Group ``index``'s full fp32 masters by name (this TP shard). Collective over ``group``."""
+        g = self.groups[index]
+        return {n: t.clone() for n, t in g.unflatten(self._gather(g.master.detach())).items()}
+
+    @torch.no_grad()
+    def load_masters(self, tensors: Mapping[str, torch.Tensor], index: int) -> None:
+        """Set group ``index``'s masters from full tensors (every name) and refresh its params."""
+        g = self.groups[index]
+        g.master.copy_(g.flat_fp32(tensors)[g.start : g.start + g.shard])
+        for name, p in zip(g.names, g.params):
+            p.copy_(tensors[name])
+
+    def names(self, index: int) -> list[str]:
+        return list(self.groups[index].names)
+
+    def state_shard(self) -> dict:
+        """This rank's slices of AdamW's moments (and its step count), per group, with the layout."""
+        out = []
+        for g in self.groups:
+            state = self.optimizer.state.get(g.master, {})
+            out.append(
+                {
+                    "names": g.names,
+                    "numel": g.numel,
+                    **{k: v.detach().clone() for k, v in state.items()},
+                }
+            )
+        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        return {"world": self.world, "rank": self.rank, "groups": out, "param_groups": hyper}
+
+    def load_state_shards(self, shards: list[dict]) -> None:
+        """Restore from every saved rank's :meth:`state_shard` (in rank order, any world size):
+        the saved slices are concatenated, cut to the real size and re-sliced for this world."""
+        if [s["rank"] for s in shards] != list(range(len(shards))):
+            raise ValueError(f"optimizer shards out of order or missing: ranks {[s['rank'] for s in shards]}")
+        for index, g in enumerate(self.groups):
+            saved = [s["groups"][index] for s in shards]
+            if saved[0]["names"] != g.names or saved[0]["numel"] != g.numel:
+                raise ValueError("the saved optimizer state is for other parameters than this engine's")
+            if "step" not in saved[0]:  # saved before any step
+                self.optimizer.state.pop(g.master, None)
+                continue
+            state = {"step": saved[0]["step"].clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = torch.zeros_like(g.grad)
+                full[: g.numel] = torch.cat([s[key] for s in saved])[: g.numel].to(full)
+                state[key] = full[g.start : g.start + g.shard].clone()
+            self.optimizer.state[g.master] = state
+        for pg, saved in zip(self.optimizer.param_groups, shards[0]["param_groups"]):
+            pg.update(saved)
+
+    def state_bytes(self) -> int:
+        """Bytes of fp32 masters and AdamW moments this rank holds."""
+        total = sum(g.master.numel() * g.master.element_size() for g in self.groups)
+        for state in self.optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if v.dim() > 0)
+        return total
+
+
+def optimizer_step(engine, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
+    """:meth:`MegatronEngine.optimizer_step`: clip the policy and the MTP head apart (:mod:`.grads`),
+    refuse non-finite norms (nothing applied), step the masters, refresh the params."""
+    import math
+
+    from areal_npu.algo.guard import NonFiniteError
+    from areal_npu.train.megatron.grads import clip_groups
+
+    step = engine.version if step is None else step
+    opt = engine.optimizer
+    groups = [(engine.grad_norm(), list(opt.grads(0).values()))]
+    if engine.mtp is not None:
+        groups.append((engine.grad_norm(mtp=True), list(opt.grads(1).values())))
+    norms = [n for n, _ in groups]
+    if not all(math.isfinite(n) for n in norms):
+        opt.zero_grad()
+        raise NonFiniteError(step, "grad_norm", f"step {step}: gradient norms {norms}; update not applied")
+    clip_groups(groups, engine.config.optim.grad_clip)
+    opt.step()
+    if bump_version:
+        engine.version += 1
+    return {
+        "train/grad_norm": norms[0],
+        "train/lr": opt.scheduler.get_last_lr()[0],
+        "train/version": float(engine.version),
+    }
