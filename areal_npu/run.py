@@ -117,6 +117,7 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     from areal_npu.agent.tasks import make_splits
+    from areal_npu.compat.vllm.dense_mtp import serve_with_split_drafter
     from areal_npu.metrics import StatsLogger
     from areal_npu.rollout.launcher import launch_engines
     from areal_npu.train import ranks
@@ -168,6 +169,8 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
         console.print(f"resumed from {checkpoint} at step {start_step} (weight version {engine.version})")
 
     rollout_cfg = dataclasses.replace(cfg.rollout, model=str(policy_dir), log_dir=str(run_dir / "engines"))
+    # a dense (Qwen3) policy drafting with its MTP head: served from two directories (why: the module)
+    rollout_cfg = serve_with_split_drafter(rollout_cfg, policy_dir, run_dir / "served")
     engines = []
     error = None
     try:

@@ -61,6 +61,9 @@ class SpecConfig:
     num_speculative_tokens: int = 0  # k drafts per verify step
     draft_model: str | None = None  # path, for draft_model / eagle / eagle3
     draft_enforce_eager: bool = True  # no graph capture for the drafter
+    # Set by the trainer, not in recipes: the directory vLLM loads an MTP drafter from when it is not
+    # the policy checkpoint (a dense Qwen3 policy with our head: areal_npu/compat/vllm/dense_mtp.py).
+    mtp_draft_dir: str | None = None
     # The MTP head is trained with the policy: weight updates carry mtp.* too. False = frozen head:
     # the drafter is loaded once from the checkpoint and never touched. A recipe resolves it to what
     # is actually synced (false unless the drafter is our MTP head and it trains; areal_npu/recipe.py).
@@ -100,6 +103,8 @@ class SpecConfig:
             raise ValueError(
                 f"draft_model is only used by {', '.join(DRAFT_MODEL_METHODS)}; method is {self.method!r}"
             )
+        if self.mtp_draft_dir and not self.is_mtp:
+            raise ValueError(f"mtp_draft_dir is only used by MTP methods; method is {self.method!r}")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be in [1, prompt_lookup_max]")
         if self.adaptive:
@@ -144,6 +149,8 @@ class SpecConfig:
         }
         if self.draft_model:
             out["model"] = self.draft_model
+        if self.mtp_draft_dir:
+            out["model"] = self.mtp_draft_dir
         if self.method == "ngram":
             out["prompt_lookup_max"] = self.prompt_lookup_max
             out["prompt_lookup_min"] = self.prompt_lookup_min
