@@ -134,5 +134,5 @@ def test_areal_npu_train_runs_megatron_tp2_with_a_vllm_engine(tmp_path):
     assert all(r["ppo/version_lag/max"] == 0 for r in rows), rows
     assert all(abs(r["ppo/behave_imp_weight/mean"] - 1.0) < 1e-3 for r in rows), rows
     step = run_dir / "checkpoints" / "step_2"
-    assert {p.name for p in step.glob("optim_tp*.pt")} == {"optim_tp0.pt", "optim_tp1.pt"}
+    assert {p.name for p in step.glob("optim_tp*.pt")} == {"optim_tp0_dp0.pt", "optim_tp1_dp0.pt"}  # TP shards, one data rank
     assert not [p for p in _engines(run_dir) if p.is_running()]

@@ -192,4 +192,4 @@ def test_megatron_backend_warm_starts_trains_and_resumes_on_a_tiny_qwen3(tmp_pat
     fresh = [r for r in rows if r["ppo/version_lag/max"] == 0]
     assert fresh and all(abs(r["ppo/behave_imp_weight/mean"] - 1.0) < 1e-3 for r in fresh)
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
-    assert (run_dir / "checkpoints" / "step_3" / "optim_tp0.pt").is_file()  # the Megatron engine wrote it
+    assert (run_dir / "checkpoints" / "step_3" / "optim_tp0_dp0.pt").is_file()  # the Megatron engine wrote it
