@@ -39,31 +39,6 @@ import time
 MB = 1024 * 1024
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmRSS not found")
-
-
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not found")
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 METHODS = ("naive", "naive-bf16", "chunked", "chunked-fused")
 
 
@@ -127,10 +102,12 @@ def run_case(
         peak = torch.cuda.max_memory_allocated() - base
         how = "cuda.max_memory_allocated"
     else:
-        base = _rss_bytes()
-        if _reset_hwm():
+        from areal_npu.testing.memory import reset_peak_rss, status_bytes
+
+        base = status_bytes("VmRSS")
+        if reset_peak_rss():
             step()
-            peak = _hwm_bytes() - base
+            peak = status_bytes("VmHWM") - base
             how = "VmHWM (reset) - VmRSS"
         else:
             import resource

@@ -8,4 +8,6 @@ tests run against an installed copy.
 * ``synthetic`` -- a tiny Qwen3.5 + MTP checkpoint whose MTP head is a near-oracle drafter
 * ``smoke``     -- a short real rollout with vLLM + MTP speculation, checked against transformers
 * ``sft``       -- a standalone SFT loop for a policy and its MTP head on packed micro-batches
+* ``dense``     -- a tiny dense Qwen3 with perturbed norms (the Megatron engine tests, bench_engines)
+* ``memory``    -- resident-memory readings from /proc (the benchmarks' peak-RSS columns)
 """

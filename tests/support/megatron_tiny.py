@@ -29,17 +29,12 @@ TINY_QWEN3 = dict(
 
 def tiny_qwen3(seed: int = 3, **overrides):
     """(HF config, float32 Qwen3ForCausalLM in eval mode)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
+
+    from areal_npu.testing.dense import perturbed_qwen3
 
     config = Qwen3Config(**{**TINY_QWEN3, **overrides})
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).float().eval()
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-    return config, model
+    return config, perturbed_qwen3(config, seed)
 
 
 def make_samples(n: int = 5, seed: int = 0, vocab: int = 256) -> list[TrainSample]:
