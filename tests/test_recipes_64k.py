@@ -52,6 +52,7 @@ SCALE_UP_KEYS = {
 CPU_ONLY_PREFIXES = (
     "model.tiny.", "rollout.kv_cache_space_gib", "workflow.shell.system_prompt",
     "warmstart.batch_size", "warmstart.lr", "warmstart.demo_turns",
+    "task.families",  # the embedded tasks' easy tier; a task set (task.jsonl) refuses it
 )  # fmt: skip
 #: What the A2 and A3 YAML may differ in.
 CHIP_KEYS = {"name"}

@@ -7,7 +7,10 @@ training sample's tokens and loss mask are rebuilt as ChatML text pieces, each e
 tokenizer, with the observations taken from that hand run."""
 
 import dataclasses
+import difflib
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,40 @@ def test_the_turn_budget_drops_the_test_run_then_the_look_then_the_submission():
     assert commands[2] == [fix, commands[4][3]] and commands[1] == [fix]
 
 
+def code_tokens(source: str) -> list[str]:
+    """Python's own tokenizer: the token strings of ``source`` (layout tokens dropped)."""
+    skip = {tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    return [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in skip]
+
+
+def test_the_recipe_tier_plants_a_small_edit_the_hidden_tests_catch_and_the_demonstration_fixes(recipe):
+    """The recipe's easy tier (``task.families``): every planted bug is one edit of at most two
+    Python tokens (the tokenizer on the broken module and the generator's reference fix); the
+    hidden tests fail on the planted module and pass on the original; each bug's demonstration,
+    run by hand in the jail, fixes it; the held-out tasks are new instances of the training bugs."""
+    train, held_out = make_splits(recipe.task)
+    assert recipe.task.families, "the recipe trains on the full bug mix again: update this test and the docs"
+    bugs = {(t.meta["function"], t.meta["family"]) for t in train}
+    assert {(t.meta["function"], t.meta["family"]) for t in held_out} <= bugs
+    copies = {(t.problem_statement, tuple(sorted(t.snapshot.items()))) for t in train}
+    assert not any((t.problem_statement, tuple(sorted(t.snapshot.items()))) in copies for t in held_out)
+    one_per_bug = {}
+    for task in train:
+        one_per_bug.setdefault((task.meta["function"], task.meta["family"]), task)
+    for task in [*one_per_bug.values(), *held_out[:2]]:
+        ((path, fixed),) = task.meta["fix"].items()
+        before, after = code_tokens(task.snapshot[path]), code_tokens(fixed)
+        ops = difflib.SequenceMatcher(a=before, b=after, autojunk=False).get_opcodes()
+        edits = [max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal"]
+        assert len(edits) == 1 and edits[0] <= 2, (task.meta, ops)
+        with RepoEnv(task) as env:
+            assert env.grade().reward == 0.0, task.meta  # the hidden tests see the bug
+            (env.repo / path).write_text(fixed)
+            assert env.grade().reward == 1.0, task.meta
+        _, module, grade = hand_run(task, demo_turns(task, recipe.warmstart.demo_turns))
+        assert module == fixed and grade.reward == 1.0, task.meta
+
+
 @pytest.fixture(scope="module")
 def recorded(tok, recipe):
     """The recipe's training tasks, recorded through the shell agent as the warm start does."""
@@ -161,7 +198,10 @@ def test_the_recipe_accepts_a_warm_start_on_embedded_tasks_and_refuses_it_on_a_t
     capsys.readouterr()
     jsonl = tmp_path / "tasks.jsonl"
     jsonl.write_text("")
-    code = cli.main(["train", str(RECIPE), "--check", "warmstart.steps=3", f"task.jsonl={jsonl}"])
+    # task.families=[]: the recipe's easy tier selects embedded tasks, which a task set refuses first
+    code = cli.main(
+        ["train", str(RECIPE), "--check", "warmstart.steps=3", "task.families=[]", f"task.jsonl={jsonl}"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("config error: warmstart.steps: "), err
 

@@ -53,7 +53,7 @@ def test_the_code_agent_recipe_and_its_ci_variant_pass(capsys):
         (["task.level=medium"], "task.level", "program-task option"),
         (["task.families=[nope]"], "task.families", "not bug families"),
         (["task.kind=bogus"], "task.kind", "program or repo"),
-        (["task.jsonl=/nonexistent.jsonl"], "task.jsonl", "not a file"),
+        (["task.families=[]", "task.jsonl=/nonexistent.jsonl"], "task.jsonl", "not a file"),
     ],
 )
 def test_bad_options_are_refused_naming_the_key(capsys, overrides, key, fragment):
@@ -64,10 +64,10 @@ def test_bad_options_are_refused_naming_the_key(capsys, overrides, key, fragment
 
 def test_shell_options_are_refused_for_a_workflow_that_does_not_read_them(capsys):
     code, err = check(capsys, "workflow.path=areal_npu.agent.workflows.SingleTurn", "task.kind=program",
-                      "task.n_train=400")  # fmt: skip
+                      "task.families=[]", "task.n_train=400")  # fmt: skip
     assert code == 2 and err[0].startswith("config error: workflow.max_turns: ") and "not read by" in err[0]
     code, err = check(capsys, "workflow.path=areal_npu.agent.workflows.MultiTurn", "task.kind=program",
-                      "task.n_train=400")  # fmt: skip
+                      "task.families=[]", "task.n_train=400")  # fmt: skip
     assert code == 2 and err[0].startswith("config error: workflow.shell: ") and "not read by" in err[0]
 
 
