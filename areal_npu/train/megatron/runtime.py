@@ -48,11 +48,16 @@ def import_megatron(platform: Platform | None = None) -> ModuleType:
     return core
 
 
+#: the default process group Megatron's groups were last made from (see init_parallel_state)
+_groups_world = None
+
+
 def init_parallel_state(tp_size: int = 1, cp_size: int = 1, pp_size: int = 1) -> None:
     """Megatron's process groups over the initialised default group (world = tp * cp * dp * pp).
 
     Re-initialises when the layout differs from the current one (tests run several layouts in one
     process). Group order is Megatron's default ``tp-cp-ep-dp-pp``: TP ranks are adjacent."""
+    global _groups_world
     import_megatron()
     from megatron.core import parallel_state as ps
 
@@ -63,7 +68,10 @@ def init_parallel_state(tp_size: int = 1, cp_size: int = 1, pp_size: int = 1) ->
         raise ValueError(f"world size {world} is not a multiple of tp*cp*pp = {tp_size * cp_size * pp_size}")
     if ps.model_parallel_is_initialized():
         same = (
-            ps.get_tensor_model_parallel_world_size() == tp_size
+            # groups made from a default group since destroyed (a finished run in the same
+            # process, then a new one) are unregistered handles: make them again
+            _groups_world is dist.group.WORLD
+            and ps.get_tensor_model_parallel_world_size() == tp_size
             and ps.get_context_parallel_world_size() == cp_size
             and ps.get_pipeline_model_parallel_world_size() == pp_size
         )
@@ -76,3 +84,4 @@ def init_parallel_state(tp_size: int = 1, cp_size: int = 1, pp_size: int = 1) ->
         context_parallel_size=cp_size,
         create_gloo_process_groups=False,
     )
+    _groups_world = dist.group.WORLD

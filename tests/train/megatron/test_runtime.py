@@ -87,3 +87,31 @@ def test_npu_refuses_megatron_imported_too_early():
         """
     )
     assert not any(e.startswith("mindspeed") for e in events)
+
+
+def test_an_engine_after_a_new_default_group_equals_one_before():
+    """A run ends (``shutdown_distributed``) and another starts in the same process (in-process
+    ``areal-npu train`` calls, tests): Megatron's cached groups belonged to the destroyed default
+    group ("Group ... is not registered" in CI). The second engine's PPO step equals the first's,
+    and its data-parallel group is one of the new default group's."""
+    import torch
+    import torch.distributed as dist
+
+    from areal_npu.train.dist import init_distributed, shutdown_distributed
+    from areal_npu.train.megatron.engine import MegatronEngine
+    from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step_outputs, tiny_qwen3
+
+    def step():
+        return ppo_step_outputs(MegatronEngine.from_hf_model(tiny_qwen3()[1], megatron_config()), make_samples(4))
+
+    init_distributed()
+    before = step()
+    shutdown_distributed()
+    init_distributed()
+    after = step()
+    from megatron.core import parallel_state as ps
+
+    assert dist.get_rank(ps.get_data_parallel_group()) == 0  # raised for a stale group
+    assert before.keys() == after.keys()
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=0, msg=key)
