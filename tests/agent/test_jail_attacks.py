@@ -201,11 +201,12 @@ def test_hidden_tests_exist_only_for_grading():
     hidden = CommandTests(command="python3 tests_hidden.py",
                           files={"tests_hidden.py": f"# {marker}\nimport app\nassert app.answer() == 42\n"})  # fmt: skip
     with RepoEnv(_task(hidden=hidden)) as env:
-        # the marker is split in the command line, so grep's own /proc entry does not hold it
-        out, _ = env.run(
-            f'M=HIDDEN-; grep -rls "${{M}}{marker[7:]}" /repo /tmp /etc /root /hidden /dev; echo done'
-        )
-        assert out.splitlines()[-1] == "done" and "/" not in out.replace("/hidden: No such", ""), out
+        # Every file the episode can see, except the read-only host trees (the system and the
+        # interpreter: reading all of them took past the command's 30 s on a cold CI disk).
+        # The marker is split in the command line, so grep's own /proc entry does not hold it.
+        skip = " ".join(f"--exclude-dir={d}" for d in ("proc", "sys", "usr", Path(sys.base_prefix).resolve().name))
+        out, _ = env.run(f'M=HIDDEN-; grep -rls --devices=skip {skip} "${{M}}{marker[7:]}" /; echo done')
+        assert out.strip() == "done", out
         assert env.grade().reward == 0.0
         assert env.run("ls")[0].split() == ["app.py"]  # grading used its own copy
         env.run("sed -i 's/41/42/' app.py")
