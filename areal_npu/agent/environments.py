@@ -212,6 +212,8 @@ class RepoEnv:
                 text + f"\n[the command used its {limits.cpu_seconds:g} CPU seconds and was killed]",
                 TIMEOUT_EXIT,
             )
+        if res.disk_exceeded:
+            return text + f"\n[the repository grew past {limits.disk_bytes >> 20} MiB; the command was killed]", 1
         if res.oom:
             return text + f"\n[the command went past {limits.memory_bytes >> 20} MiB and was killed]", 137
         return text, res.exit_code if res.exit_code is not None else 128 + (res.signal or 0)

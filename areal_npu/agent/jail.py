@@ -15,7 +15,9 @@ What a jailed command sees and may do (``JailResult.layers`` names what held for
   no-new-privileges, a seccomp deny-list (:mod:`areal_npu.agent.seccomp`);
 - limits: a control group per command for the tree (memory, process count, CPU rate and CPU-time
   budget; :mod:`areal_npu.agent.cgroups`), per-process rlimits (open files, file size, cores; and
-  CPU time and address space where no group could be made), and a wall clock;
+  CPU time and address space where no group could be made), a wall clock, and a disk quota on the
+  writable mounts (measured every :data:`DISK_POLL_S` and once more at the end; the command is
+  killed when they grow past it, so a fast writer overshoots by at most what it writes in one poll);
 - lifetime: the command is the PID namespace's only tree; when it ends, or the wall clock or CPU
   budget runs out, the namespace's init dies and the kernel kills every process left in it
   (``--die-with-parent`` does the same when the trainer dies).
@@ -44,6 +46,27 @@ from areal_npu.config import ConfigError
 JAIL_UID = 1000
 HOST_LOADER_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives")
 _TOP_LEVEL_LINKS = ("bin", "sbin", "lib", "lib64", "lib32", "libx32")
+DISK_POLL_S = 0.5  # how often the writable mounts are measured while a command runs
+
+
+def tree_bytes(paths: list[Path]) -> int:
+    """Disk blocks allocated under ``paths`` (symlinks not followed; files that vanish mid-walk are
+    skipped): what the host's disk pays for, so a sparse file counts what it really holds."""
+    total, stack = 0, [str(p) for p in paths]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:  # removed, or made unreadable, while we walked
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+    return total
 
 # Run by the trainer's interpreter between fork and bwrap: joins the command's control groups and
 # sets the per-process rlimits, then execs bwrap (so everything the jail starts inherits both).
@@ -73,9 +96,12 @@ class JailLimits:
     max_open_files: int = 256
     tmp_bytes: int = 64 << 20  # the private /tmp
     output_bytes: int = 16 << 10  # captured output that comes back (head and tail)
+    # bytes the writable mounts may hold (the episode's repository copy): the command is killed when
+    # they grow past max(disk_bytes, what they held when it started); checked every DISK_POLL_S
+    disk_bytes: int = 1 << 30
 
     def validate(self) -> None:
-        for name in ("memory_bytes", "max_processes", "file_bytes", "max_open_files", "tmp_bytes"):
+        for name in ("memory_bytes", "max_processes", "file_bytes", "max_open_files", "tmp_bytes", "disk_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(name, f"must be >= 1; got {getattr(self, name)!r}")
         for name in ("wall_seconds", "cpu_seconds", "cpu_cores"):
@@ -100,6 +126,7 @@ class JailResult:
     cpu_exceeded: bool = False  # the tree's CPU budget ran out
     oom: bool = False  # the tree hit its memory limit
     process_limit: bool = False  # a fork failed at the tree's task limit
+    disk_exceeded: bool = False  # the writable mounts grew past the disk quota
     output: bytes = b""  # captured stdout+stderr (head and tail when it was longer)
     output_total: int = 0  # bytes the command wrote in all
     layers: tuple[str, ...] = field(default_factory=tuple)
@@ -241,6 +268,10 @@ class BubblewrapJail:
             os.write(filter_fd, seccomp.deny_filter())
             os.lseek(filter_fd, 0, os.SEEK_SET)
             layers.append("seccomp")
+        writable = [m.source for m in mounts if m.writable]
+        disk_allowed = max(int(limits.disk_bytes), tree_bytes(writable)) if writable else 0
+        if writable:
+            layers.append("disk_quota")
         args = self._base_args(limits, filter_fd)
         for m in mounts:
             args += ["--bind" if m.writable else "--ro-bind", str(m.source), m.target]
@@ -270,9 +301,9 @@ class BubblewrapJail:
             if filter_fd is not None:
                 os.close(filter_fd)
         reader = _Capture(proc.stdout, limits.output_bytes) if capture else None
-        timed_out = cpu_exceeded = False
+        timed_out = cpu_exceeded = disk_exceeded = False
         deadline = time.monotonic() + limits.wall_seconds
-        poll = 0.01
+        poll, next_disk_check = 0.01, time.monotonic() + DISK_POLL_S
         while True:
             try:
                 proc.wait(timeout=poll)
@@ -285,12 +316,18 @@ class BubblewrapJail:
             if group is not None and group.cpu_seconds() > limits.cpu_seconds:
                 cpu_exceeded = True
                 break
+            if writable and time.monotonic() > next_disk_check:
+                next_disk_check = time.monotonic() + DISK_POLL_S
+                if tree_bytes(writable) > disk_allowed:
+                    disk_exceeded = True
+                    break
         try:
             os.killpg(proc.pid, 9)  # bwrap's init dies with it, and the kernel empties the namespace
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
         layers.append("wall_clock")
+        disk_exceeded = disk_exceeded or bool(writable and tree_bytes(writable) > disk_allowed)
         oom = process_limit = False
         if group is not None:
             oom, process_limit = group.oom_killed(), group.hit_process_limit()
@@ -306,8 +343,8 @@ class BubblewrapJail:
             exit_code, sig = code, None
         if not group and why_no_group != "disabled":
             layers.append(f"no_cgroup: {why_no_group}")
-        return JailResult(exit_code, sig, timed_out, cpu_exceeded, oom, process_limit, output, total,
-                          tuple(layers))  # fmt: skip
+        return JailResult(exit_code, sig, timed_out, cpu_exceeded, oom, process_limit, disk_exceeded, output,
+                          total, tuple(layers))  # fmt: skip
 
 
 class ContainerJail:

@@ -58,10 +58,11 @@ class ShellAgentConfig:
     jail: str = "bwrap"  # the jail each command and the grading run in
     command_timeout_s: float = 30.0  # wall-clock and CPU seconds of one command (its whole process tree)
     episode_seconds: float = 600.0  # wall clock of all of an episode's commands together
+    repo_disk_mib: int = 1024  # disk the episode's repository copy may grow to; a command past it is killed
     env_workers: int = 2  # jailed commands and gradings that run at the same time (per workflow)
 
     def validate(self) -> None:
-        for key in ("max_tokens", "observation_chars", "env_workers"):
+        for key in ("max_tokens", "observation_chars", "env_workers", "repo_disk_mib"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1; got {getattr(self, key)}")
         if self.observation_chars < 200:
@@ -82,7 +83,8 @@ class ShellAgentConfig:
     def env_limits(self) -> EnvLimits:
         t = self.command_timeout_s
         return EnvLimits(
-            command=JailLimits(wall_seconds=t, cpu_seconds=t), episode_seconds=self.episode_seconds
+            command=JailLimits(wall_seconds=t, cpu_seconds=t, disk_bytes=self.repo_disk_mib << 20),
+            episode_seconds=self.episode_seconds,
         )
 
 

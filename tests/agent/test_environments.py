@@ -3,6 +3,7 @@ embedded repo-repair tasks. Expectations are hand-computed or observed on the ho
 
 import difflib
 import json
+import subprocess
 import sys
 import tarfile
 
@@ -58,6 +59,24 @@ def test_long_output_is_truncated_with_a_note():
     assert out.startswith("1\n2\n3\n") and out.endswith("19999\n20000\n")
     total = sum(len(f"{i}\n") for i in range(1, 20001))
     assert f"[... {total - 1000} bytes of output omitted ...]" in out
+
+
+@needs_jail
+def test_the_repository_copy_has_a_disk_quota():
+    """A writer that never stops is killed by the quota, not the wall clock; what it left is what
+    `du` (coreutils, an independent count) says is over the quota; a later command may clean up."""
+    quota = 8 << 20
+    limits = EnvLimits(command=JailLimits(wall_seconds=30, cpu_seconds=30, disk_bytes=quota, file_bytes=1 << 20))
+    with RepoEnv(RepoTask("t", "t", CALC, CALL_TESTS), limits) as env:
+        out, code = env.run("head -c 4096 /dev/urandom > small.bin && echo ok")
+        assert (out, code) == ("ok\n", 0)  # under the quota nothing changes
+        out, code = env.run("i=0; while :; do head -c 262144 /dev/urandom > f$i; i=$((i+1)); sleep 0.01; done")
+        assert code == 1 and out.endswith(f"[the repository grew past {quota >> 20} MiB; the command was killed]")
+        du = subprocess.run(["du", "-s", "--block-size=1", str(env.repo)], capture_output=True, text=True)
+        assert int(du.stdout.split()[0]) > quota
+        # over the quota from the start: commands that do not grow the copy still run
+        assert env.run("rm f* && ls") == ("calc.py\nsmall.bin\n", 0)
+        assert env.grade().reward == 0.0  # the grader still runs on the cleaned copy (add() subtracts)
 
 
 @needs_jail

@@ -47,6 +47,7 @@ def test_the_code_agent_recipe_and_its_ci_variant_pass(capsys):
         (["workflow.shell.observation_chars=50"], "workflow.shell.observation_chars", ">= 200"),
         (["workflow.shell.env_workers=0"], "workflow.shell.env_workers", ">= 1"),
         (["workflow.shell.command_timeout_s=0"], "workflow.shell.command_timeout_s", "> 0"),
+        (["workflow.shell.repo_disk_mib=0"], "workflow.shell.repo_disk_mib", ">= 1"),
         (["workflow.shell.jail=nsjail"], "workflow.shell.jail", "bwrap"),
         (["workflow.turn_discount=0.9"], "workflow.turn_discount", "not read by"),
         (["workflow.reward_workers=4"], "workflow.reward_workers", "not read by"),
