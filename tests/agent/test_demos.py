@@ -256,7 +256,11 @@ def test_a_short_warm_start_on_demonstrations_makes_greedy_turns_well_formed(tmp
     init_distributed()
     torch.manual_seed(0)
     workflow = dataclasses.replace(recipe.workflow, max_turns=2)
-    train, held_out = make_splits(recipe.task)
+    # The full bug mix, which WARM_* and the floor were measured on. On the recipe's easy tier (two
+    # fixes) these 16 demonstrations collapsed the model into one repeated sed on one machine (0 of
+    # 16 well formed, with transformers 5.18 and 5.19 alike; the mix: 16 of 16) while the same test
+    # passed on CI's: 16 demonstrations of two near-identical fixes are a knife edge, the mix is not.
+    train, held_out = make_splits(dataclasses.replace(recipe.task, families=[]))
     demos = train[:WARM_DEMOS]
     # not a demonstrated task, nor the same issue in another repository copy (the split keeps those)
     held_out = [t for t in held_out if t.problem_statement not in {d.problem_statement for d in demos}]
