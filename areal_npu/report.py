@@ -186,6 +186,7 @@ def write_plots(rows: list[dict], out: Path) -> tuple[dict[str, Path], list[str]
     mtp_loss = [k for _, k in indexed_keys(rows, names.MTP_LOSS_DEPTH_PATTERN)]
     mtp_acc = [k for _, k in indexed_keys(rows, names.MTP_ACC_DEPTH_PATTERN)]
     ppo_w = [f"{names.BEHAVE_IMP_WEIGHT}/{s}" for s in ("mean", "min", "max")]
+    ep = names.episode_key
     builders = {
         "reward": lambda p: plot_reward(rows, p),
         "spec_accept": lambda p: plot_lines(
@@ -217,6 +218,17 @@ def write_plots(rows: list[dict], out: Path) -> tuple[dict[str, Path], list[str]
             ],
             p,
             "",
+        ),
+        "episodes": lambda p: plot_lines(
+            rows,
+            [
+                Panel("turns", [ep("turns")], "model turns / episode"),
+                Panel("tokens", [ep("tokens"), ep("model_tokens")], "tokens / episode"),
+                Panel("hidden tests", [ep("pass_rate"), names.REWARD_SOLVED], "fraction"),
+                Panel("actions", [ep("format_errors"), ep("submitted")], "per episode"),
+            ],
+            p,
+            "multi-turn episodes",
         ),
         "step_time": lambda p: plot_step_time(rows, p),
         "perf": lambda p: plot_lines(

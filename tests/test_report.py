@@ -14,7 +14,7 @@ import pytest
 from areal_npu.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-ALL_PLOTS = {"reward", "spec_accept", "mtp", "imp_weight", "version_lag", "step_time", "perf"}
+ALL_PLOTS = {"reward", "spec_accept", "mtp", "imp_weight", "version_lag", "episodes", "step_time", "perf"}
 
 
 def _write_run(run_dir, rows, config=None):
@@ -59,6 +59,13 @@ def _full_rows(n=23, seed=0):
                 "timing/step_s": 8.5,
                 "perf/step_speedup_bound": 1.4,
                 "perf/gen_fraction": 0.59,
+                "episode/turns": rng.uniform(2, 4),
+                "episode/tokens": 900.0 + step,
+                "episode/model_tokens": 200.0,
+                "episode/pass_rate": rng.uniform(0.5, 1.0),
+                "episode/format_errors": 0.25,
+                "episode/submitted": 0.75,
+                "reward/solved": mean,
             }
         )
     return rows
