@@ -292,6 +292,6 @@ def test_hybrid_mtp_speculation_with_prefix_caching_is_greedy_lossless(hybrid_mo
         if name != "plain":
             assert run["spec"]["spec_decode_num_drafts"] > 0 and run["spec"]["spec_decode_num_accepted_tokens"] > 0
     # No count of requests that agree exactly with the plain engine: over 300 bf16 tokens a request
-    # meets a near-tie often enough that the count went from >= 2 to 1 of 4 between two CI runs of
+    # meets a near-tie often enough that the count went from >= 2 (CI) to 1 of 4 (a clean clone here) on
     # the same code. The checks above are what losslessness means: every token is the reference's
     # greedy choice up to GREEDY_TOL, and where speculation and the plain engine part, both are.
