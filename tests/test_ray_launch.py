@@ -28,6 +28,7 @@ from areal_npu.config import load_config
 from areal_npu.placement import TrainerLayout, describe_cluster, plan, plan_recipe
 from areal_npu.recipe import RLConfig
 from areal_npu.rollout.config import RolloutConfig
+from tests.support.procs import alive_pids
 
 ray = pytest.importorskip("ray")
 
@@ -68,15 +69,12 @@ def _run_processes(run_dir: Path) -> list[psutil.Process]:
 def _wait_until_gone(pids: set[int], run_dir: Path, timeout: float = 60.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
-        left = [p for p in _ray_pids() - pids if psutil.pid_exists(p)]
-        left = [p for p in left if psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        left = alive_pids(_ray_pids() - pids)
         left_run = _run_processes(run_dir)
         if not left and not left_run:
             return []
         if time.monotonic() > deadline:
-            return [" ".join(psutil.Process(p).cmdline()[:4]) for p in left] + [
-                " ".join(p.cmdline()[:4]) for p in left_run
-            ]
+            return [str(p) for p in left] + [str(p) for p in left_run]
         time.sleep(0.5)
 
 
@@ -178,7 +176,7 @@ def test_a_failing_rank_or_sigterm_stops_the_run(tmp_path, capsys):
     for run in ("a", "b"):  # every rank's process is gone
         for rank in (0, 1):
             pid = json.loads((tmp_path / run / "ray" / f"trainer-{rank}.json").read_text())["pid"]
-            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            assert not alive_pids([pid])
     assert not _wait_until_gone(before, tmp_path)
 
 

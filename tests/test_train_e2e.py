@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.support.procs import alive
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
 MAX_STALENESS = 1
@@ -56,11 +58,11 @@ def _engine_processes(run_dir: Path) -> list[psutil.Process]:
 def _wait_gone(run_dir: Path, timeout: float = 60.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in _engine_processes(run_dir) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if not alive:
+        left = alive(_engine_processes(run_dir))
+        if not left:
             return []
         time.sleep(0.5)
-    return alive
+    return left
 
 
 @pytest.mark.slow
@@ -69,8 +71,9 @@ def test_train_kill_resume_and_learn(tmp_path):
     run_dir = tmp_path / "run"
     recipe = str(ROOT / "recipes" / "cpu" / "quickstart.yaml")
     log = open(tmp_path / "first.log", "w")
-    first = subprocess.Popen(_cli() + ["train", recipe] + _overrides(run_dir), stdout=log, stderr=subprocess.STDOUT,
-                             cwd=tmp_path)
+    first = subprocess.Popen(
+        _cli() + ["train", recipe] + _overrides(run_dir), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path
+    )
     ckpt = run_dir / "checkpoints" / "step_8"
     deadline = time.monotonic() + 900
     while not ckpt.is_dir():
@@ -81,8 +84,13 @@ def test_train_kill_resume_and_learn(tmp_path):
     first.wait(30)
     assert not _wait_gone(run_dir), "engine processes outlived a SIGKILLed trainer"
 
-    second = subprocess.run(_cli() + ["train", recipe, "--resume"] + _overrides(run_dir), cwd=tmp_path,
-                            capture_output=True, text=True, timeout=900)
+    second = subprocess.run(
+        _cli() + ["train", recipe, "--resume"] + _overrides(run_dir),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
     assert not _wait_gone(run_dir, 10)
 
@@ -107,8 +115,9 @@ def test_ctrl_c_stops_everything_and_keeps_what_was_logged(tmp_path):
     overrides = [f"run_dir={run_dir}", "warmstart.steps=2", "controller.steps=50", "controller.eval_every=0",
                  *TEXT_LAYOUT]  # fmt: skip
     log = open(tmp_path / "log", "w")
-    proc = subprocess.Popen(_cli() + ["train", recipe] + overrides, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=tmp_path)
+    proc = subprocess.Popen(
+        _cli() + ["train", recipe] + overrides, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -155,7 +164,9 @@ def test_adaptive_speculation_in_the_training_loop(tmp_path):
     off = [r["rollout/spec_drafts"] for r in rows if r["rollout/spec_k"] == 0]
     assert min(on) > 0 and sum(off) <= 0.05 * sum(on)  # only the requests in flight at a switch
     assert all(r["perf/step_speedup_bound"] >= 1.0 for r in rows)
-    assert subprocess.run(_cli() + ["report", str(run_dir)], cwd=tmp_path, capture_output=True).returncode == 0
+    assert (
+        subprocess.run(_cli() + ["report", str(run_dir)], cwd=tmp_path, capture_output=True).returncode == 0
+    )
     report = (run_dir / "report" / "report.md").read_text()
     assert "Draft-length decisions" in report and "re-probing" in report
 

@@ -12,6 +12,8 @@ import textwrap
 import psutil
 import pytest
 
+from tests.support.procs import alive
+
 GRANDCHILD = textwrap.dedent(
     """
     import subprocess, sys, time
@@ -39,15 +41,17 @@ LAUNCHER = textwrap.dedent(
 
 
 def test_engine_group_dies_when_launcher_is_killed():
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, GRANDCHILD], stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, GRANDCHILD], stdout=subprocess.PIPE, text=True
+    )
     engine_pid = int(launcher.stdout.readline())
     engine = psutil.Process(engine_pid)
     group = [engine] + engine.children(recursive=True)
     assert len(group) == 2 and all(p.is_running() for p in group)
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait(10)
-    _, alive = psutil.wait_procs(group, timeout=20)
-    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    _, still = psutil.wait_procs(group, timeout=20)
+    assert not alive(still)
 
 
 def test_server_main_starts_the_watchdog_first(monkeypatch):
