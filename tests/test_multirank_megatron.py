@@ -24,7 +24,7 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 
-def _engine(tp: int, cp: int = 1):
+def _engine(tp: int, cp: int = 1, pp: int = 1):
     from areal_npu.data.packing import PackingConfig
     from areal_npu.train.megatron.engine import MegatronEngine
     from areal_npu.train.optim import OptimConfig
@@ -35,6 +35,7 @@ def _engine(tp: int, cp: int = 1):
     # takes a step of +-lr from the sign of reduction-order rounding alone (as test_parallel.py)
     cfg = megatron_config(tp, cp, ppo_minibatches=2, packing=PackingConfig(max_tokens_per_mb=40),
                           optim=OptimConfig(lr=1e-2, grad_clip=1.0, eps=1e-3))  # fmt: skip
+    cfg.megatron.pp_size = pp
     return MegatronEngine.from_hf_model(hf, cfg)
 
 
@@ -61,15 +62,18 @@ def one_rank(tmp_path_factory):
 
 
 # (tp 2 alone, 2 ranks: the `areal-npu train` smoke below)
-@pytest.mark.parametrize("world, tp, cp", [(4, 2, 1), (2, 1, 2)], ids=["dp2xtp2", "cp2"])
-def test_megatron_ranks_train_like_one_rank(tmp_path, one_rank, world, tp, cp):
+@pytest.mark.parametrize(
+    "world, tp, cp, pp", [(4, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2)], ids=["dp2xtp2", "cp2", "pp2"]
+)
+def test_megatron_ranks_train_like_one_rank(tmp_path, one_rank, world, tp, cp, pp):
     one_dir = one_rank
-    many_dir, codes = _run(tmp_path, "many", world, (tp, cp), worker=_worker, timeout_s=400)
+    many_dir, codes = _run(tmp_path, "many", world, (tp, cp, pp), worker=_worker, timeout_s=400)
     assert codes == [0] * world
-    # Megatron's rank order (tp, then cp, fastest): ranks 0..tp*cp-1 are data rank 0, the next tp*cp 1, ...
-    dp = world // (tp * cp)
+    # Megatron's rank order (tp, then cp, fastest; pp slowest): ranks 0..tp*cp-1 are data rank 0,
+    # the next tp*cp 1, ...; every pipeline stage repeats the data ranks
+    dp = world // (tp * cp * pp)
     assert [json.loads((many_dir / f"data_rank{r}.json").read_text()) for r in range(world)] == [
-        [r // (tp * cp), dp] for r in range(world)
+        [(r // (tp * cp)) % dp, dp] for r in range(world)
     ]
     for r in range(1, world):
         assert json.loads((many_dir / f"rank{r}.json").read_text()) == {"stopped_by": None}
@@ -87,9 +91,12 @@ def test_megatron_ranks_train_like_one_rank(tmp_path, one_rank, world, tp, cp):
     for name, tensor in one["weights"].items():
         torch.testing.assert_close(many["weights"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
     assert sorted(p.name for p in (many_dir / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
-    optim = {p.name for p in (many_dir / "checkpoints" / "step_3").glob("optim_tp*.pt")}
-    # AdamW's moments sharded over DP x CP (ZeRO-1): one file per TP x (DP x CP) rank
-    assert optim == {f"optim_tp{t}_dp{r}.pt" for t in range(tp) for r in range(world // tp)}
+    optim = {p.name for p in (many_dir / "checkpoints" / "step_3").glob("optim_*.pt")}
+    # AdamW's moments sharded over DP x CP (ZeRO-1): one file per stage x TP x (DP x CP) rank
+    stages = [f"pp{p}_" for p in range(pp)] if pp > 1 else [""]
+    assert optim == {
+        f"optim_{s}tp{t}_dp{r}.pt" for s in stages for t in range(tp) for r in range(world // tp // pp)
+    }
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,13 +119,15 @@ def test_a_megatron_layout_starts_torchrun_with_one_process_per_rank(tmp_path, m
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_areal_npu_train_runs_megatron_tp2_with_a_vllm_engine(tmp_path):
+@pytest.mark.parametrize("layout", ["tp_size", "pp_size"], ids=["tp2", "pp2"])
+def test_areal_npu_train_runs_megatron_on_two_ranks_with_a_vllm_engine(tmp_path, layout):
     from tests.support.megatron_tiny import SERVABLE_QWEN3, save_tiny_qwen3_checkpoint
+    from tests.support.procs import alive
     from tests.test_multirank_run import _engines
 
     checkpoint = save_tiny_qwen3_checkpoint(tmp_path / "qwen3", **SERVABLE_QWEN3)
     run_dir = tmp_path / "run"
-    overrides = [f"run_dir={run_dir}", f"model.path={checkpoint}", "train.backend=megatron", "train.megatron.tp_size=2",
+    overrides = [f"run_dir={run_dir}", f"model.path={checkpoint}", "train.backend=megatron", f"train.megatron.{layout}=2",
                  "mtp.enabled=false", "rollout.spec.method=null", "rollout.spec.num_speculative_tokens=0",
                  "rollout.dtype=float32", "warmstart.steps=2", "warmstart.batch_size=8", "workflow.group_size=4",
                  "controller.batch_groups=2", "controller.checkpoint_every=1", "controller.eval_every=0",
@@ -130,9 +139,12 @@ def test_areal_npu_train_runs_megatron_tp2_with_a_vllm_engine(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and [r["train/version"] for r in rows] == [1.0, 2.0]
     # max_staleness=0: every step samples from the weights just pushed, so vLLM's behaviour
-    # log-probs equal the TP=2 trainer's proximal ones (imp weight 1) only if the push was exact
+    # log-probs equal the TP=2 (or two-stage) trainer's proximal ones (imp weight 1) only if the
+    # push was exact
     assert all(r["ppo/version_lag/max"] == 0 for r in rows), rows
     assert all(abs(r["ppo/behave_imp_weight/mean"] - 1.0) < 1e-3 for r in rows), rows
     step = run_dir / "checkpoints" / "step_2"
-    assert {p.name for p in step.glob("optim_tp*.pt")} == {"optim_tp0_dp0.pt", "optim_tp1_dp0.pt"}  # TP shards, one data rank
-    assert not [p for p in _engines(run_dir) if p.is_running()]
+    shards = {"tp_size": {"optim_tp0_dp0.pt", "optim_tp1_dp0.pt"},
+              "pp_size": {"optim_pp0_tp0_dp0.pt", "optim_pp1_tp0_dp0.pt"}}  # fmt: skip
+    assert {p.name for p in step.glob("optim_*.pt")} == shards[layout]  # TP shards or stages, one data rank
+    assert not alive(_engines(run_dir))

@@ -25,6 +25,14 @@ setting the CPU generator instead -- the generator the recomputed CPU code draws
 recomputation sees the forward's random stream (none is drawn anyway: dropout is 0). On the NPU
 MindSpeed's adaptor maps these CUDA RNG calls to the NPU (not run here).
 
+Pipeline parallelism: Megatron's ``P2PCommunicator`` allocates its receive buffers (and, with
+micro-batches of varying length, the shape messages) on ``torch.cuda.current_device()`` and calls
+``torch.cuda.synchronize()`` after exchanging shapes; :data:`CPU_P2P_SHIMS` run those two methods
+with the CPU as the current device and the synchronize a no-op (:func:`cpu_pipeline_p2p`). The
+sends and receives themselves are gloo's ``isend`` / ``irecv`` / ``batch_isend_irecv``. The 1F1B
+schedule allocates one counter with the literal ``device="cuda"`` (:data:`CPU_SCHEDULE_SHIMS`,
+:func:`cuda_zeros_on_the_cpu`).
+
 What is deliberately *not* shimmed, because the Megatron engine never reaches it on the CPU:
 
 - the training RNG tracker's state handling: used by weight initialisation on the device (we
@@ -50,10 +58,14 @@ import torch
 
 __all__ = [
     "CPU_DEVICE_SHIMS",
+    "CPU_P2P_SHIMS",
     "CPU_RNG_SHIMS",
+    "CPU_SCHEDULE_SHIMS",
     "apply_cpu_patches",
+    "cpu_pipeline_p2p",
     "cuda_device_answers_cpu",
     "cuda_rng_is_the_cpu_generator",
+    "cuda_zeros_on_the_cpu",
     "unpatched",
 ]
 
@@ -101,6 +113,40 @@ CPU_DEVICE_SHIMS: tuple[tuple[str, str, str], ...] = (
     ),
 )
 
+P2P = "megatron.core.pipeline_parallel.p2p_communication"
+
+#: (module, attribute path, why): pipeline-parallel send/receive; they run inside
+#: :func:`cpu_pipeline_p2p` (the current device is the CPU, and a CUDA synchronize is a no-op).
+CPU_P2P_SHIMS: tuple[tuple[str, str, str], ...] = (
+    (
+        P2P,
+        "P2PCommunicator._communicate_shapes",
+        # Micro-batches of varying length (variable_seq_lengths): the shapes travel first, in
+        # tensors allocated on torch.cuda.current_device(), then torch.cuda.synchronize() guards
+        # batch_isend_irecv (a CUDA race; gloo's wait() has completed the exchange on the CPU).
+        "the shape exchange allocates on torch.cuda.current_device() and calls torch.cuda.synchronize()",
+    ),
+    (
+        P2P,
+        "P2PCommunicator._communicate",
+        # The receive buffers of activations and their gradients.
+        "the activation receive buffers are allocated on torch.cuda.current_device()",
+    ),
+)
+
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+
+#: (module, attribute path, why): the pipeline schedule; it runs inside :func:`cuda_zeros_on_the_cpu`.
+CPU_SCHEDULE_SHIMS: tuple[tuple[str, str, str], ...] = (
+    (
+        SCHEDULES,
+        "forward_backward_pipelining_without_interleaving",
+        # Counts the loss's tokens in torch.zeros([], dtype=torch.int, device="cuda"): a literal
+        # device string, which the current_device shim cannot redirect.
+        'the 1F1B schedule allocates its token counter with torch.zeros(..., device="cuda")',
+    ),
+)
+
 RANDOM = "megatron.core.tensor_parallel.random"
 
 #: (module, attribute path, why): upstream functions that get/set the CUDA RNG state; they run
@@ -130,6 +176,38 @@ def cuda_device_answers_cpu():
             yield
         finally:
             torch.cuda.current_device = original
+
+
+@contextlib.contextmanager
+def cpu_pipeline_p2p():
+    """While active, ``torch.cuda.current_device()`` returns ``"cpu"`` and ``torch.cuda.synchronize()``
+    does nothing (CPU work and gloo's completed requests have nothing to wait for)."""
+    with _lock, cuda_device_answers_cpu():
+        original = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda device=None: None
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize = original
+
+
+@contextlib.contextmanager
+def cuda_zeros_on_the_cpu():
+    """While active, ``torch.zeros(..., device="cuda")`` allocates on the CPU (any other call is
+    unchanged); only used on CPU-only builds, where a CUDA allocation can only raise."""
+
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return original(*args, **kwargs)
+
+    with _lock:
+        original = torch.zeros
+        torch.zeros = zeros
+        try:
+            yield
+        finally:
+            torch.zeros = original
 
 
 @contextlib.contextmanager
@@ -197,6 +275,8 @@ def apply_cpu_patches() -> list[str]:
         raise RuntimeError("the Megatron CPU shims are for CPU-only torch builds; CUDA is available here")
     shims = [(shim, cuda_device_answers_cpu) for shim in CPU_DEVICE_SHIMS]
     shims += [(shim, cuda_rng_is_the_cpu_generator) for shim in CPU_RNG_SHIMS]
+    shims += [(shim, cpu_pipeline_p2p) for shim in CPU_P2P_SHIMS]
+    shims += [(shim, cuda_zeros_on_the_cpu) for shim in CPU_SCHEDULE_SHIMS]
     with _lock:
         for (module_name, path, _why), context in shims:
             key = f"{module_name}.{path}"

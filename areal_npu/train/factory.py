@@ -80,7 +80,7 @@ def check_trainer(cfg) -> None:
         check_megatron_config(train)
     except ConfigError as exc:
         raise _prefixed(exc, "train.") from None
-    check_mtp(cfg.mtp, train.megatron.tp_size, train.megatron.cp_size)
+    check_mtp(cfg.mtp, train.megatron.tp_size, train.megatron.cp_size, train.megatron.pp_size)
     check_loss_layout(loss, train.megatron.cp_size)
     layout = train.megatron
     try:

@@ -171,3 +171,45 @@ def test_patched_recomputation_replays_the_forwards_random_stream():
     assert torch.equal(torch.get_rng_state(), before)
     assert mrandom._get_cuda_rng_state is original_get  # swapped only while the shim runs
     assert len(torch.cuda._queued_calls) == queued  # nothing queued for a CUDA that never starts
+
+
+P2P = "megatron.core.pipeline_parallel.p2p_communication"
+
+
+def test_upstream_pipeline_p2p_still_allocates_on_cuda():
+    """Fails once Megatron's P2PCommunicator allocates its shape messages and receive buffers
+    without CUDA: then drop :data:`CPU_P2P_SHIMS`. (That the shimmed sends and receives are exact
+    is checked end to end: ``tests/train/megatron/test_pipeline.py``, two stages == one process.)"""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(use_ring_exchange_p2p=False, variable_seq_lengths=False, mtp_standalone=False,
+                             pipeline_dtype=torch.float32, batch_p2p_comm=False)  # fmt: skip
+    comm = SimpleNamespace(config=config, pp_group=None, prev_rank=0, next_rank=1)
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        unpatched(P2P, "P2PCommunicator._communicate_shapes")(comm, None, None, True, False)
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        unpatched(P2P, "P2PCommunicator._communicate")(
+            comm, tensor_send_next=None, tensor_send_prev=None, recv_prev=True, recv_next=False,
+            tensor_shape=(2, 1, 4),
+        )  # fmt: skip
+
+
+def test_upstream_schedule_still_counts_tokens_on_cuda_and_the_shim_moves_only_cuda_zeros():
+    """Fails once the 1F1B schedule stops allocating ``torch.zeros(..., device="cuda")``: then drop
+    :data:`CPU_SCHEDULE_SHIMS`. The shim redirects that literal and nothing else."""
+    import inspect
+
+    from areal_npu.compat.megatron import CPU_P2P_SHIMS, CPU_SCHEDULE_SHIMS, cuda_zeros_on_the_cpu
+
+    schedule = unpatched(*CPU_SCHEDULE_SHIMS[0][:2])
+    assert 'device="cuda"' in inspect.getsource(schedule)
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        torch.zeros([], dtype=torch.int, device="cuda")
+    with cuda_zeros_on_the_cpu():
+        moved = torch.zeros([], dtype=torch.int, device="cuda")
+        assert moved.device.type == "cpu" and moved.dtype == torch.int and int(moved) == 0
+        assert torch.zeros(2, 3).shape == (2, 3)
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):  # only while it runs
+        torch.zeros([], device="cuda")
+    applied = apply_cpu_patches()
+    assert all(f"{m}.{p}" in applied and why for m, p, why in CPU_P2P_SHIMS + CPU_SCHEDULE_SHIMS)

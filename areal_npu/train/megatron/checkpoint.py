@@ -3,7 +3,8 @@
 ``<root>/step_<N>/`` holds a Hugging Face checkpoint (``config.json``, ``model.safetensors`` under HF
 names: what vLLM and transformers load, whatever the TP layout; written from the fp32 masters),
 ``optim.pt`` (the layout and the list of optimizer shards), ``optim_tp<t>_dp<r>.pt`` (TP rank
-``t`` and DP x CP rank ``r``'s slices of the AdamW moments,
+``t`` and DP x CP rank ``r``'s slices of the AdamW moments; ``optim_pp<p>_tp<t>_dp<r>.pt`` with
+pipeline stages,
 :meth:`.precision.MasterOptimizer.state_shard`, with the Megatron parameter names of its flat
 layout), ``trainer_state.json`` (version, scheduler, the caller's ``extra``),
 ``rng_rank<r>.pt`` and, written last, ``manifest.json`` (:mod:`areal_npu.train.manifest`), through the
@@ -11,7 +12,8 @@ directory protocol of :func:`areal_npu.train.checkpoint.write_checkpoint` (tempo
 into place when complete, then ``latest``), so ``checkpoint_to_resume`` works unchanged.
 
 Weights load into any TP layout (they are HF tensors) and become the fp32 masters; the optimizer
-state is per TP shard, so a resume must keep ``tp_size`` (refused otherwise, naming both sizes),
+state is per TP shard and pipeline stage, so a resume must keep ``tp_size`` and ``pp_size`` (refused
+otherwise, naming both sizes),
 but not the DP x CP size: each rank reads every saved slice of its TP shard and re-slices them
 (:meth:`.precision.MasterOptimizer.load_state_shards`).
 """
@@ -29,8 +31,9 @@ from areal_npu.train.megatron import convert
 __all__ = ["load_checkpoint", "save_checkpoint", "write_hf_checkpoint"]
 
 
-def _shard_file(tp_rank: int, dp_cp_rank: int) -> str:
-    return f"optim_tp{tp_rank}_dp{dp_cp_rank}.pt"
+def _shard_file(tp_rank: int, dp_cp_rank: int, stage=None) -> str:
+    pp = f"pp{stage.rank}_" if stage is not None and stage.size > 1 else ""
+    return f"optim_{pp}tp{tp_rank}_dp{dp_cp_rank}.pt"
 
 
 def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
@@ -57,12 +60,16 @@ def save_checkpoint(
     def write_files(tmp: Path) -> None:
         tensors = dict(engine.full_state_dict())  # collective over TP
         shard = engine.optimizer.state_shard()  # this rank's slices (every rank writes its own)
-        torch.save(shard, tmp / _shard_file(engine.tp_rank, shard["rank"]))
+        torch.save(shard, tmp / _shard_file(engine.tp_rank, shard["rank"], engine.stage))
         write_hf_checkpoint(engine, tmp, tokenizer, tensors)
         if dist.get_rank() == 0:
-            tp, world = engine.config.megatron.tp_size, shard["world"]
-            files = [[_shard_file(t, r) for r in range(world)] for t in range(tp)]
-            torch.save({"tp_size": tp, "dp_cp_size": world, "shards": files}, tmp / "optim.pt")
+            tp, world, pp = engine.config.megatron.tp_size, shard["world"], engine.stage.size
+            files = [
+                [[_shard_file(t, r, convert.Stage(p, pp)) for r in range(world)] for t in range(tp)]
+                for p in range(pp)
+            ]
+            index = {"tp_size": tp, "pp_size": pp, "dp_cp_size": world, "shards": files}
+            torch.save(index, tmp / "optim.pt")
 
     state = {"version": engine.version, "scheduler": engine.scheduler.state_dict(), "extra": extra or {}}
     return write_checkpoint(root, engine.version, write_files, state, keep_last)
@@ -74,14 +81,16 @@ def load_checkpoint(engine, path: str | Path) -> dict:
 
     path = Path(path)
     index = torch.load(path / "optim.pt", weights_only=False)
-    if index["tp_size"] != engine.config.megatron.tp_size:
-        raise ValueError(
-            f"{path}: optimizer state was saved with tp_size={index['tp_size']}, this engine runs "
-            f"tp_size={engine.config.megatron.tp_size}; resume with the same tp_size"
-        )
+    layout = engine.config.megatron
+    for key in ("tp_size", "pp_size"):
+        if index.get(key, 1) != getattr(layout, key):
+            raise ValueError(
+                f"{path}: optimizer state was saved with {key}={index.get(key, 1)}, this engine runs "
+                f"{key}={getattr(layout, key)}; resume with the same {key}"
+            )
     hf = load_file(str(path / "model.safetensors"))
     head = {n: hf.pop(n) for n in list(hf) if n.startswith("mtp.")}
-    state = convert.hf_to_mcore(hf, engine.shape, engine.tp_rank, engine.config.megatron.tp_size)
+    state = convert.hf_to_mcore(hf, engine.shape, engine.tp_rank, layout.tp_size, engine.stage)
     from areal_npu.train.megatron.engine import MTP_MODULE
 
     if engine.mtp is not None:
@@ -92,7 +101,8 @@ def load_checkpoint(engine, path: str | Path) -> dict:
     opt = engine.optimizer  # the fp32 masters from the HF weights (written from them), then the moments
     for i, prefix in enumerate(("", MTP_MODULE)[: len(opt.groups)]):
         opt.load_masters({n: state[prefix + n] for n in opt.names(i)}, i)
-    shards = [torch.load(path / f, weights_only=False) for f in index["shards"][engine.tp_rank]]
+    files = index["shards"][engine.stage.rank] if "pp_size" in index else index["shards"]
+    shards = [torch.load(path / f, weights_only=False) for f in files[engine.tp_rank]]
     try:
         opt.load_state_shards(shards)
     except ValueError as e:

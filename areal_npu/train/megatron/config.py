@@ -19,7 +19,7 @@ class MegatronLayoutConfig:
 
     tp_size: int = 1  # tensor-parallel ranks: attention heads, FFN and vocabulary sharded over them
     cp_size: int = 1  # context-parallel ranks: every packed sequence split zigzag over them
-    pp_size: int = 1  # pipeline stages (not wired yet: 1)
+    pp_size: int = 1  # pipeline stages: decoder layers split evenly over them (1F1B schedule)
     sequence_parallel: bool = (
         False  # activations outside attention/FFN sharded over TP (needs tp_size >= 2, cp_size 1)
     )
@@ -34,10 +34,6 @@ class MegatronLayoutConfig:
 def check_megatron_config(train) -> None:
     """What the Megatron engine refuses of a ``train`` config (keys relative to ``train``)."""
     layout = train.megatron
-    if layout.pp_size != 1:
-        raise ConfigError(
-            "megatron.pp_size", f"pipeline parallelism is not wired yet (got {layout.pp_size}); use 1"
-        )
     if layout.sequence_parallel and layout.tp_size < 2:
         raise ConfigError(
             "megatron.sequence_parallel", "shards activations over TP ranks: needs tp_size >= 2"

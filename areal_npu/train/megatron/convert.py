@@ -32,6 +32,10 @@ plus ``model.embed_tokens.weight`` -> ``embedding.word_embeddings.weight`` (voca
 ``model.norm.weight`` -> ``decoder.final_layernorm.weight``, ``lm_head.weight`` ->
 ``output_layer.weight`` (vocab, dim 0; absent with tied embeddings).
 
+Pipeline stages (:class:`Stage`): stage ``p`` of ``pp`` holds layers ``p L/pp .. (p+1) L/pp - 1``
+under *local* Megatron indices (``decoder.layers.0`` is its first layer, as Megatron-Core names
+them), the embedding on the first stage, the final norm and the output layer on the last.
+
 Fused layouts:
 
 - ``linear_qkv`` interleaves per query group: ``[G, (Hq/G + 2) d, H]`` = for each group ``g``, its
@@ -60,10 +64,13 @@ import torch.distributed as dist
 from areal_npu.train.megatron.model import GPTShape
 
 __all__ = [
+    "ALL",
     "LAYER_TABLE",
     "MODEL_TABLE",
     "export_buckets",
+    "Stage",
     "hf_names",
+    "hf_shape",
     "hf_to_mcore",
     "mcore_to_hf",
     "shard",
@@ -78,6 +85,29 @@ class Rule:
     mcore: str  # Megatron name
     kind: str  # replicated | head_norm | column | row | vocab | qkv | gate_up
 
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: ``rank`` of ``size`` (layers split evenly, checked by ``check_layout``)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        """The global indices of this stage's decoder layers."""
+        per = num_layers // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+ALL = Stage()
 
 #: Kinds whose weight every TP rank holds whole.
 REPLICATED = ("replicated", "head_norm")
@@ -109,27 +139,61 @@ MODEL_TABLE: tuple[Rule, ...] = (
 )
 
 
-def rules(shape: GPTShape) -> list[Rule]:
-    """Every rule of this model, layer indices filled in (no ``lm_head`` when tied)."""
-    out = [r for r in MODEL_TABLE if not (shape.tie_word_embeddings and r.mcore == "output_layer.weight")]
-    for i in range(shape.num_layers):
-        out += [Rule(tuple(h.format(i=i) for h in r.hf), r.mcore.format(i=i), r.kind) for r in LAYER_TABLE]
+def rules(shape: GPTShape, stage: Stage = ALL) -> list[Rule]:
+    """Every rule of this model (of ``stage``: its layers, HF names with the global index, Megatron
+    names with the local one), in HF order; no ``lm_head`` when tied."""
+    model = {r.mcore: r for r in MODEL_TABLE}
+    out = [model["embedding.word_embeddings.weight"]] if stage.first else []
+    layers = stage.layers(shape.num_layers)
+    for i in layers:
+        out += [
+            Rule(tuple(h.format(i=i) for h in r.hf), r.mcore.format(i=i - layers.start), r.kind)
+            for r in LAYER_TABLE
+        ]
+    if stage.last:
+        out.append(model["decoder.final_layernorm.weight"])
+        if not shape.tie_word_embeddings:
+            out.append(model["output_layer.weight"])
     return out
 
 
-def tp_partition_dims(shape: GPTShape) -> dict[str, int]:
+def tp_partition_dims(shape: GPTShape, stage: Stage = ALL) -> dict[str, int]:
     """Megatron name -> the dim its TP shards split (replicated weights are absent)."""
     dims = {"column": 0, "vocab": 0, "qkv": 0, "gate_up": 0, "row": 1}
-    return {r.mcore: dims[r.kind] for r in rules(shape) if r.kind not in REPLICATED}
+    return {r.mcore: dims[r.kind] for r in rules(shape, stage) if r.kind not in REPLICATED}
 
 
-def tp_partial_grad_names(shape: GPTShape) -> list[str]:
+def tp_partial_grad_names(shape: GPTShape, stage: Stage = ALL) -> list[str]:
     """Replicated weights whose gradients are partial over TP ranks (the per-head q/k norms)."""
-    return [r.mcore for r in rules(shape) if r.kind == "head_norm"]
+    return [r.mcore for r in rules(shape, stage) if r.kind == "head_norm"]
 
 
 def hf_names(shape: GPTShape) -> list[str]:
     return [h for r in rules(shape) for h in r.hf]
+
+
+def hf_shape(name: str, shape: GPTShape) -> tuple[int, ...]:
+    """The full shape of HF tensor ``name`` (what a pipeline stage that does not hold it receives)."""
+    h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    suffixes = {
+        "embed_tokens.weight": (shape.vocab_size, h),
+        "lm_head.weight": (shape.vocab_size, h),
+        "norm.weight": (h,),
+        "layernorm.weight": (h,),
+        "q_norm.weight": (d,),
+        "k_norm.weight": (d,),
+        "q_proj.weight": (shape.num_heads * d, h),
+        "k_proj.weight": (shape.num_query_groups * d, h),
+        "v_proj.weight": (shape.num_query_groups * d, h),
+        "o_proj.weight": (h, shape.num_heads * d),
+        "gate_proj.weight": (f, h),
+        "up_proj.weight": (f, h),
+        "down_proj.weight": (h, f),
+    }
+    for suffix in sorted(suffixes, key=len, reverse=True):  # q_norm before norm
+        if name.endswith(suffix):
+            return suffixes[suffix]
+    raise KeyError(f"no shape known for HF tensor {name!r}")
 
 
 # ---- full tensors <-> the fused Megatron layout (tp = 1) ---------------------------------------
@@ -183,13 +247,17 @@ def unshard(rule_kind: str, shards: Sequence[torch.Tensor], shape: GPTShape) -> 
 
 # ---- whole state dicts --------------------------------------------------------------------------
 def hf_to_mcore(
-    hf_state: Mapping[str, torch.Tensor], shape: GPTShape, tp_rank: int = 0, tp_size: int = 1
+    hf_state: Mapping[str, torch.Tensor],
+    shape: GPTShape,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    stage: Stage = ALL,
 ) -> dict[str, torch.Tensor]:
-    """This TP rank's Megatron state dict from a full HF state dict; every HF tensor is used once
-    (an unknown or missing name is an error naming it)."""
+    """This TP rank's (and pipeline stage's) Megatron state dict from a full HF state dict; every HF
+    tensor is used once by some stage (an unknown or missing name is an error naming it)."""
     out = {}
-    used = set()
-    for rule in rules(shape):
+    used = set(hf_names(shape)) - {h for r in rules(shape, stage) for h in r.hf}  # other stages'
+    for rule in rules(shape, stage):
         missing = [h for h in rule.hf if h not in hf_state]
         if missing:
             raise KeyError(f"HF checkpoint lacks {missing} (for {rule.mcore})")
@@ -223,21 +291,37 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def gathered_hf_tensors(
-    named_params: Mapping[str, torch.Tensor], shape: GPTShape, tp_group=None
+    named_params: Mapping[str, torch.Tensor], shape: GPTShape, tp_group=None, pp_group=None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full CPU tensor) for every weight, one rule at a time: shards are all-gathered over
-    ``tp_group`` (collective: every TP rank iterates), so at most one full tensor (or fused group)
-    exists beyond the model at a time."""
+    """(HF name, full CPU tensor) for every weight, one rule at a time, on every rank: shards are
+    all-gathered over ``tp_group`` and, with pipeline stages (``pp_group``), broadcast from the stage
+    that holds them (collective: every rank iterates), so at most one full tensor (or fused group)
+    exists beyond the model at a time. Each tensor is a copy (a later optimizer step or gradient
+    clipping does not change what was yielded)."""
     tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
-    for rule in rules(shape):
-        local = named_params[rule.mcore].detach()
-        if rule.kind in REPLICATED or tp == 1:
-            shards = [local]
-        else:
-            shards = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(shards, local.contiguous(), group=tp_group)
-        for name, tensor in zip(rule.hf, unshard(rule.kind, shards, shape)):
-            yield name, tensor.cpu().contiguous()
+    pp = dist.get_world_size(pp_group) if pp_group is not None and dist.is_initialized() else 1
+    here = Stage(dist.get_rank(pp_group), pp) if pp > 1 else ALL
+    local_rules = {r.hf: r for r in rules(shape, here)}
+    dtype = next(iter(named_params.values())).dtype
+    for owner in range(pp):
+        for rule in rules(shape, Stage(owner, pp)):
+            if owner == here.rank:
+                local = named_params[local_rules[rule.hf].mcore].detach()
+                if rule.kind in REPLICATED or tp == 1:
+                    shards = [local]
+                else:
+                    shards = [torch.empty_like(local) for _ in range(tp)]
+                    dist.all_gather(shards, local.contiguous(), group=tp_group)
+                tensors = [t.contiguous() for t in unshard(rule.kind, shards, shape)]
+            else:
+                device = next(iter(named_params.values())).device
+                tensors = [torch.empty(hf_shape(h, shape), dtype=dtype, device=device) for h in rule.hf]
+            if pp > 1:
+                src = dist.get_global_rank(pp_group, owner)
+                for tensor in tensors:
+                    dist.broadcast(tensor, src, group=pp_group)
+            for name, tensor in zip(rule.hf, tensors):  # a copy: not a view of live grads/params
+                yield name, tensor.to("cpu", copy=True).contiguous()
 
 
 def export_buckets(

@@ -6,10 +6,11 @@ does (same samples, same loss objects, same stats keys, same export format): :me
 :meth:`export_buckets` (HF names), and checkpoints through :mod:`areal_npu.train.megatron.checkpoint`.
 Its config is the recipe's ``train`` section with ``backend: megatron`` (layout: ``train.megatron``).
 
-Layout: world = tp * cp * dp (pp = 1). Every rank calls every method; the ranks of one TP x CP
-group pass the *same* samples (their data-parallel rank's share), which is checked. Inside, each
-sequence is shifted to prediction alignment before packing (as in the FSDP2 engine), packed with
-``alignment = tp`` (or ``2 tp cp``) and CP tail padding, and each CP rank keeps its zigzag share
+Layout: world = tp * cp * pp * dp. Every rank calls every method; the ranks of one TP x CP x PP
+group pass the *same* samples (their data-parallel rank's share), which is checked. Pipeline stages
+(``pp_size`` > 1) run Megatron-Core's 1F1B schedule (:mod:`.pipeline`). Inside, each sequence is
+shifted to prediction alignment before packing (as in the FSDP2 engine), packed with ``alignment =
+tp`` (or ``2 tp cp``) and CP tail padding, and each CP rank keeps its zigzag share
 (:mod:`areal_npu.train.megatron.packing`). Log-probs come from the TP-sharded head through
 :mod:`areal_npu.train.megatron.logprobs`. Losses are normalised by global counts over micro-batches
 and DP ranks; each CP rank's loss covers its tokens, so gradients are *summed* over the DP x CP
@@ -27,9 +28,9 @@ Megatron's DistributedOptimizer: :mod:`.precision` says why).
 
 Recomputation (``train.gradient_checkpointing``) is Megatron's own (:func:`.model.recompute_fields`).
 Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config`,
-:func:`areal_npu.train.megatron.mtp.check_mtp` or the constructor with a sentence): pipeline
-parallelism, sequence parallelism together with CP, Qwen3.5's Gated DeltaNet layers (Megatron-Core
-0.16.1's ``GatedDeltaNet`` refuses packed sequences and needs FLA; MindSpeed's is not wired).
+:func:`areal_npu.train.megatron.mtp.check_mtp` or the constructor with a sentence): the MTP head or
+tied embeddings with pipeline stages, interleaved (virtual) pipeline stages, sequence parallelism
+together with CP, Qwen3.5's Gated DeltaNet layers (Megatron-Core 0.16.1's ``GatedDeltaNet`` refuses packed sequences and needs FLA; MindSpeed's is not wired).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from areal_npu.train.megatron.mtp import (
     vocab_parallel_mtp_loss,
 )
 from areal_npu.train.megatron.packing import MegatronMicroBatch, check_same_samples, to_megatron
+from areal_npu.train.megatron.pipeline import run_pipeline
 from areal_npu.train.megatron.precision import MasterOptimizer, optimizer_step
 from areal_npu.train.megatron.runtime import init_parallel_state
 from areal_npu.train.stats import merge_stats, minibatch_train_step
@@ -100,7 +102,7 @@ class MegatronEngine:
         check_megatron_config(config)
         self.config = config
         self.mtp_config = mtp_config or MTPConfig(enabled=False)
-        check_mtp(self.mtp_config, config.megatron.tp_size, config.megatron.cp_size)
+        check_mtp(self.mtp_config, config.megatron.tp_size, config.megatron.cp_size, config.megatron.pp_size)
         if self.mtp_config.enabled and not mtp_state:
             raise ValueError("mtp.enabled but no MTP head was given (load one or set mtp.init_new_head)")
         self.pad_token_id = pad_token_id
@@ -121,10 +123,12 @@ class MegatronEngine:
         self.dp_group = ps.get_data_parallel_group()
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.tp_cp_group = ps.get_tensor_and_context_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.stage = convert.Stage(ps.get_pipeline_model_parallel_rank(), layout.pp_size)
 
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.module = build_gpt_model(hf_config, device=self.device, dtype=dtype, **model_options(config))
-        state = convert.hf_to_mcore(hf_state, self.shape, self.tp_rank, layout.tp_size)
+        state = convert.hf_to_mcore(hf_state, self.shape, self.tp_rank, layout.tp_size, self.stage)
         missing, unexpected = self.module.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -134,15 +138,15 @@ class MegatronEngine:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         named = dict(self.module.named_parameters())
-        self._tp_sharded = set(convert.tp_partition_dims(self.shape))
+        self._tp_sharded = set(convert.tp_partition_dims(self.shape, self.stage))
         # partial over TP: per-head q/k norms; under SP every norm (marked as Megatron marks them)
-        self._tp_partial = convert.tp_partial_grad_names(self.shape)
+        self._tp_partial = convert.tp_partial_grad_names(self.shape, self.stage)
         self._tp_partial += [
             n
             for n, p in named.items()
             if getattr(p, "sequence_parallel", False) and n not in self._tp_partial
         ]
-        for name, dim in convert.tp_partition_dims(self.shape).items():
+        for name, dim in convert.tp_partition_dims(self.shape, self.stage).items():
             if not hasattr(named[name], "tensor_model_parallel"):
                 set_tensor_model_parallel_attributes(named[name], True, dim, 1)
         self.vocab_start = self.tp_rank * (self.shape.vocab_size // layout.tp_size)
@@ -176,6 +180,7 @@ class MegatronEngine:
 
     def _check_same_samples(self, samples: Sequence[TrainSample]) -> None:
         check_same_samples(samples, self.tp_cp_group)
+        check_same_samples(samples, self.pp_group)
 
     def _micro_batches(self, samples: Sequence[TrainSample], loss: Loss | None):
         """(plan, micro-batches as this rank feeds them, packing stats)."""
@@ -212,14 +217,18 @@ class MegatronEngine:
     def _logprobs(self, mb: MegatronMicroBatch, mtp_args: dict | None = None):
         """(logp, entropy, MTP loss or None, MTP stats) of this rank's tokens of ``mb``
         (prediction-aligned, float32); the MTP head runs when ``mtp_args`` (:func:`.mtp.mtp_targets`) is given."""
+        hidden, rotary = decoder_hidden_states(
+            self.module, mb.input_ids, mb.position_ids, mb.params, with_rotary=True
+        )
+        return self._head(hidden, mb, rotary, mtp_args)
+
+    def _head(self, hidden: torch.Tensor, mb: MegatronMicroBatch, rotary=None, mtp_args: dict | None = None):
+        """:meth:`_logprobs` from the decoder's final-norm hidden states ``[t, H]``."""
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             gather_from_sequence_parallel_region,
         )
 
-        hidden, rotary = decoder_hidden_states(
-            self.module, mb.input_ids, mb.position_ids, mb.params, with_rotary=True
-        )
         head_input = hidden
         tp = dist.get_world_size(self.tp_group)
         if tp > 1 and self.config.megatron.sequence_parallel:  # this rank's tokens -> all of them
@@ -272,10 +281,16 @@ class MegatronEngine:
         self._check_same_samples(samples)
         self.module.eval()
         plan, mbs, _ = self._micro_batches(samples, None)
+        if self.stage.size > 1:  # the last stage's head: log-probs, no loss
+
+            def head(hidden, mb):
+                return hidden.new_zeros(()), self._gather_cp(self._head(hidden, mb)[0], mb)
+
+            per_mb = run_pipeline(self, mbs, head, forward_only=True)
+        else:
+            per_mb = [self._gather_cp(self._logprobs(mb)[0], mb) for mb in mbs]
         out: list[torch.Tensor | None] = [None] * len(samples)
-        for indices, mb in zip(plan, mbs):
-            logp, _, _, _ = self._logprobs(mb)
-            full = self._gather_cp(logp, mb)
+        for indices, mb, full in zip(plan, mbs, per_mb):
             for i, pred in zip(indices, unpack_per_token(full.float().cpu(), mb.batch)):
                 out[i] = torch.cat([pred.new_zeros(1), pred[:-1]])
         return out
@@ -315,21 +330,26 @@ class MegatronEngine:
         if self.mtp is not None:
             self.mtp.train()
         self.optimizer.zero_grad()
-        per_mb_stats = []
-        for mb, mtp_arg in zip(mbs, mtp_args):
-            logp, entropy, aux, aux_stats = self._logprobs(mb, mtp_arg)
+
+        def mb_loss(mb, logp, entropy, aux=None, aux_stats=None):
             cu_seqlens = mb.params.cu_seqlens_q if mb.cp_size == 1 else None
             main, stats = loss(
-                logp,
-                entropy,
-                mb.fields,
-                denominator=denominator,
-                cu_seqlens=cu_seqlens,
+                logp, entropy, mb.fields, denominator=denominator, cu_seqlens=cu_seqlens,
                 policy_version=self.version,
+            )  # fmt: skip
+            stats.update(aux_stats or {})
+            return (main if aux is None else main + aux), (float(mb.fields["loss_mask"].sum()), stats)
+
+        if self.stage.size > 1:  # Megatron's schedule runs the backward
+            per_mb_stats = run_pipeline(
+                self, mbs, lambda hidden, mb: mb_loss(mb, *self._head(hidden, mb)[:2]), forward_only=False
             )
-            (main if aux is None else main + aux).backward()
-            stats.update(aux_stats)
-            per_mb_stats.append((float(mb.fields["loss_mask"].sum()), stats))
+        else:
+            per_mb_stats = []
+            for mb, mtp_arg in zip(mbs, mtp_args):
+                total, result = mb_loss(mb, *self._logprobs(mb, mtp_arg))
+                total.backward()
+                per_mb_stats.append(result)
         self._reduce_gradients()
         stats = merge_stats(per_mb_stats, self.dp_cp_group)
         stats.update(pack_stats)
@@ -355,7 +375,7 @@ class MegatronEngine:
         """Global L2 norm of the policy's gradient over TP shards (``mtp``: the MTP head's, one TP rank)."""
         grads = self.optimizer.grads(1 if mtp else 0).items()
         return sharded_grad_norm(
-            grads, MTP_TP_SHARDED if mtp else self._tp_sharded, self.tp_group, self.device
+            grads, MTP_TP_SHARDED if mtp else self._tp_sharded, self.tp_group, self.device, self.pp_group
         )
 
     def optimizer_step(self, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
@@ -374,14 +394,18 @@ class MegatronEngine:
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full fp32 CPU tensor) for every weight, from the fp32 masters. Collective over
-        every rank (masters sharded over DP x CP, shards over TP). ``mtp.*`` last."""
-        yield from convert.gathered_hf_tensors(self.optimizer.masters(0), self.shape, self.tp_group)
+        every rank (masters sharded over DP x CP, shards over TP, layers over pipeline stages). ``mtp.*`` last."""
+        yield from convert.gathered_hf_tensors(
+            self.optimizer.masters(0), self.shape, self.tp_group, self.pp_group
+        )
         if self.mtp is not None:
             yield from mtp_mcore_to_hf(self.optimizer.masters(1), self.shape, self.tp_group)
 
     def hf_grads(self) -> dict[str, torch.Tensor]:
         """The accumulated fp32 gradients under HF names, full tensors (collective over TP)."""
-        out = dict(convert.gathered_hf_tensors(self.optimizer.grads(0), self.shape, self.tp_group))
+        out = dict(
+            convert.gathered_hf_tensors(self.optimizer.grads(0), self.shape, self.tp_group, self.pp_group)
+        )
         if self.mtp is not None:
             out.update(mtp_mcore_to_hf(self.optimizer.grads(1), self.shape, self.tp_group, grads=True))
         return out
@@ -396,7 +420,7 @@ class MegatronEngine:
             raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp or vision")
         if "policy" in kinds:
             named = dict(self.module.named_parameters())
-            policy = convert.gathered_hf_tensors(named, self.shape, self.tp_group)
+            policy = convert.gathered_hf_tensors(named, self.shape, self.tp_group, self.pp_group)
             for bucket in convert.export_buckets(policy, bucket_bytes):
                 yield "policy", bucket
         if "mtp" in kinds and self.mtp is not None:

@@ -15,9 +15,12 @@ import torch.distributed as dist
 __all__ = ["clip_groups", "sharded_grad_norm"]
 
 
-def sharded_grad_norm(named_grads: Iterable, tp_sharded: set[str], tp_group=None, device=None) -> float:
+def sharded_grad_norm(
+    named_grads: Iterable, tp_sharded: set[str], tp_group=None, device=None, pp_group=None
+) -> float:
     """Global L2 norm of the gradients ``(name, grad or None)``: TP-sharded parameters
-    (``tp_sharded`` names) summed over ``tp_group``, replicated ones (norms) counted once."""
+    (``tp_sharded`` names) summed over ``tp_group``, replicated ones (norms) counted once, and
+    every pipeline stage's (``pp_group``: each holds its own layers) summed."""
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     for name, grad in named_grads:
@@ -30,7 +33,10 @@ def sharded_grad_norm(named_grads: Iterable, tp_sharded: set[str], tp_group=None
             replicated += sq
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
-    return float((sharded + replicated).sqrt())
+    total = sharded + replicated
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    return float(total.sqrt())
 
 
 def clip_groups(groups: Iterable[tuple[float, Iterable[torch.Tensor]]], clip: float) -> None:

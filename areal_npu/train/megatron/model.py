@@ -150,6 +150,12 @@ def check_layout(hf_config, tp_size: int, pp_size: int = 1) -> None:
     check_divisible(shape, tp_size)
     if shape.num_layers % pp_size:
         raise ValueError(f"num_hidden_layers={shape.num_layers} is not divisible by pp_size={pp_size}")
+    if pp_size > 1 and shape.tie_word_embeddings:
+        raise ValueError(
+            f"tie_word_embeddings with pp_size={pp_size}: the embedding (first stage) and the output "
+            "layer (last stage) would be one weight on two stages, which this engine does not keep in "
+            "step (Megatron's embedding group); use pp_size 1 for a tied model"
+        )
 
 
 def transformer_config(
@@ -157,6 +163,7 @@ def transformer_config(
     *,
     tp_size: int = 1,
     cp_size: int = 1,
+    pp_size: int = 1,
     dtype: torch.dtype = torch.float32,
     cpu_init: bool = True,
     sequence_parallel: bool = False,
@@ -170,7 +177,10 @@ def transformer_config(
     Qwen3 layer: ``x + o(attn(rope(q_norm(q)), rope(k_norm(k)), v))`` with pre-RMSNorm, then
     ``x + down(silu(gate(n(x))) * up(n(x)))``; Megatron: qk_layernorm, gated_linear_unit with silu,
     RMSNorm, no biases, rotary non-interleaved (rotate-half) -- the same functions. Fusions that
-    need CUDA/Apex kernels are off (the local spec does not use them anyway)."""
+    need CUDA/Apex kernels are off (the local spec does not use them anyway). Pipeline stages
+    (``pp_size``) exchange activations of every micro-batch's own length (``variable_seq_lengths``:
+    packed micro-batches differ in length), and the schedule leaves the loss unscaled
+    (``calculate_per_token_loss``: the engine's losses are globally normalised already)."""
     core = import_megatron()  # noqa: F841  (MindSpeed first on the NPU)
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -194,7 +204,14 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
         context_parallel_size=cp_size,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=pp_size,
+        pipeline_dtype=dtype,
+        variable_seq_lengths=pp_size > 1,
+        # TransformerConfig refuses variable lengths with the MoE "allgather" dispatcher even for a
+        # dense model (no experts: the dispatcher is never built)
+        moe_token_dispatcher_type="alltoall",
+        batch_p2p_comm=False,  # plain isend/irecv pairs (gloo on the CPU, HCCL/NCCL elsewhere)
+        calculate_per_token_loss=True,
         sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -227,6 +244,7 @@ def model_options(train) -> dict:
     return dict(
         tp_size=layout.tp_size,
         cp_size=layout.cp_size,
+        pp_size=layout.pp_size,
         sequence_parallel=layout.sequence_parallel,
         recompute=train.gradient_checkpointing,
     )
@@ -276,6 +294,7 @@ def build_gpt_model(
     *,
     tp_size: int = 1,
     cp_size: int = 1,
+    pp_size: int = 1,
     dtype=torch.float32,
     device=None,
     sequence_parallel: bool = False,
@@ -284,18 +303,22 @@ def build_gpt_model(
     """An uninitialised ``GPTModel`` for ``hf_config`` on ``device`` (load weights with
     :func:`areal_npu.train.megatron.convert.load_hf_weights`). Needs :func:`init_parallel_state`.
     ``sequence_parallel``: the decoder's output is this TP rank's share of the tokens; ``recompute``:
-    each decoder layer recomputed in backward (:func:`recompute_fields`)."""
+    each decoder layer recomputed in backward (:func:`recompute_fields`); ``pp_size``: this rank's
+    pipeline stage only (its layers; the embedding on the first, the head on the last)."""
     from areal_npu.platform import current_platform
 
     platform = current_platform()
     check_supported(hf_config, platform.device_type)
     import_megatron()
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    check_layout(hf_config, tp_size, pp_size)
     cfg = transformer_config(
         hf_config,
         tp_size=tp_size,
         cp_size=cp_size,
+        pp_size=pp_size,
         dtype=dtype,
         cpu_init=platform.device_type == "cpu",
         sequence_parallel=sequence_parallel,
@@ -304,11 +327,11 @@ def build_gpt_model(
     shape = gpt_shape(hf_config)
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=block_spec(shape.num_layers),
+        transformer_layer_spec=block_spec(shape.num_layers // pp_size),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=pp_size == 1 or ps.is_pipeline_first_stage(),
+        post_process=pp_size == 1 or ps.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
@@ -319,12 +342,19 @@ def build_gpt_model(
 
 
 def decoder_hidden_states(
-    model, input_ids: torch.Tensor, position_ids: torch.Tensor, packed_seq_params, with_rotary: bool = False
+    model,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    packed_seq_params,
+    with_rotary: bool = False,
+    squeeze: bool = True,
 ):
     """Final-norm hidden states ``[t, H]`` of one packed row (``input_ids`` ``[t]``, this rank's
     tokens): ``GPTModel.forward`` up to (not including) the output layer, so the engine computes
     log-probs with its own chunked, vocab-parallel kernel instead of materialising ``[t, V]`` logits.
-    ``with_rotary``: also the RoPE table the decoder used (the MTP layer reuses it)."""
+    ``with_rotary``: also the RoPE table the decoder used (the MTP layer reuses it). On a pipeline
+    stage the decoder starts from the tensor the schedule set (``set_input_tensor``) unless it is
+    the first, and ends without the final norm unless it is the last."""
     out = model._preprocess(
         input_ids=input_ids[None], position_ids=position_ids[None], packed_seq_params=packed_seq_params
     )
@@ -338,6 +368,8 @@ def decoder_hidden_states(
         packed_seq_params=packed_seq_params,
         sequence_len_offset=sequence_len_offset,
     )
+    if not squeeze:  # [t, 1, H], as pipeline stages exchange it
+        return hidden
     if with_rotary:
         return hidden[:, 0], rotary_pos_emb
     return hidden[:, 0]  # [t, 1, H] -> [t, H]

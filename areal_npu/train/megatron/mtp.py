@@ -80,9 +80,11 @@ MTP_RULES: tuple[Rule, ...] = (
 )
 
 
-def check_mtp(mtp_config: MTPConfig, tp_size: int | None = None, cp_size: int | None = None) -> None:
+def check_mtp(
+    mtp_config: MTPConfig, tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None
+) -> None:
     """What the Megatron engine's MTP head cannot do yet, refused before any work (naming the key).
-    Any ``tp_size`` works (with or without sequence parallelism); ``cp_size`` must be 1."""
+    Any ``tp_size`` works (with or without sequence parallelism); ``cp_size`` and ``pp_size`` must be 1."""
     if not mtp_config.enabled:
         return
     mtp_config.validate()
@@ -97,6 +99,11 @@ def check_mtp(mtp_config: MTPConfig, tp_size: int | None = None, cp_size: int | 
             "the Megatron engine trains the MTP head jointly with the policy only (mtp.train=true, "
             "mtp.mtp_only=false); use train.backend=fsdp2 for a frozen head or MTP-only training",
         )
+    if pp_size is not None and pp_size > 1:
+        raise ConfigError(
+            "train.megatron.pp_size", f"the Megatron engine's MTP head runs without pipeline stages so far "
+            f"(got {pp_size}): it needs the first stage's embedding on the last stage",
+        )  # fmt: skip
     if cp_size is not None and cp_size > 1:
         raise ConfigError(
             "train.megatron.cp_size", f"the Megatron engine's MTP head runs on one CP rank so far (got "
@@ -112,7 +119,7 @@ def head_state(lm, mtp, mtp_config: MTPConfig | None, layout) -> dict[str, torch
     if mtp is None and mtp_config is not None and mtp_config.enabled:
         from areal_npu.model.mtp_checkpoint import attach_mtp
 
-        check_mtp(mtp_config, layout.tp_size, layout.cp_size)  # before loading anything
+        check_mtp(mtp_config, layout.tp_size, layout.cp_size, layout.pp_size)  # before loading anything
         mtp = attach_mtp(lm, mtp_config, getattr(lm.config, "name_or_path", None) or None)
     return {"mtp." + n: p for n, p in mtp.state_dict().items()} if mtp is not None else None
 

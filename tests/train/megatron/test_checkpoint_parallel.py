@@ -1,10 +1,10 @@
-"""Resuming a multi-rank Megatron run: two spawned gloo ranks (TP=2, or DP=2) take a PPO step, save,
+"""Resuming a multi-rank Megatron run: two spawned gloo ranks (TP=2, PP=2 or DP=2) take a PPO step, save,
 take a second one; NEW processes build engines, load the checkpoint and take the second step again.
 
 Reference: the uninterrupted run's second step (stats, learning rate, every weight under HF names,
 each rank's torch RNG draw right after the save / the load), same layout, same data. The saved
 weights are a Hugging Face checkpoint transformers loads, equal to the engine's ``full_state_dict``
-whatever the TP layout; a resume at another ``tp_size`` is refused naming the key.
+whatever the TP or pipeline layout; a resume at another ``tp_size`` or ``pp_size`` is refused naming the key.
 (One rank: ``test_checkpoint.py``.)
 """
 
@@ -17,10 +17,10 @@ pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 from areal_npu.platform import current_platform  # noqa: E402
 
-LAYOUTS = {"tp2": (2, 1), "dp2": (1, 2)}  # (tp, dp) on 2 ranks
+LAYOUTS = {"tp2": (2, 1, 1), "dp2": (1, 2, 1), "pp2": (1, 1, 2)}  # (tp, dp, pp) on 2 ranks
 
 
-def _engine(tp: int):
+def _engine(tp: int, pp: int = 1):
     from areal_npu.data.packing import PackingConfig
     from areal_npu.train.megatron.engine import MegatronEngine
     from areal_npu.train.optim import OptimConfig
@@ -31,6 +31,7 @@ def _engine(tp: int):
     # well above rounding noise (as test_multirank_megatron.py)
     optim = OptimConfig(lr=1e-2, grad_clip=1.0, eps=1e-3, schedule="cosine", warmup_steps=1, total_steps=6)
     cfg = megatron_config(tp, ppo_minibatches=2, packing=PackingConfig(max_tokens_per_mb=40), optim=optim)
+    cfg.megatron.pp_size = pp
     return MegatronEngine.from_hf_model(hf, cfg)
 
 
@@ -49,10 +50,10 @@ def _worker(rank, world, init_file, out_dir, phase, layout):
 
     from areal_npu.train.dist import process_group
 
-    tp, dp = LAYOUTS[layout]
-    out_dir, dp_rank = Path(out_dir), rank // tp
+    tp, dp, pp = LAYOUTS[layout]
+    out_dir, dp_rank = Path(out_dir), (rank // tp) % dp  # Megatron's rank order: tp, (cp), dp, pp
     with process_group(rank, world, f"file://{init_file}"):
-        engine = _engine(tp)
+        engine = _engine(tp, pp)
         if phase == "run":
             _step(engine, 0, dp_rank, dp)
             saved = engine.save_checkpoint(out_dir / "ckpt", extra={"data_position": 8})
@@ -95,7 +96,7 @@ def _assert_close_rel(a: float, b: float, key: str):
     current_platform().device_type != "cpu" and current_platform().device_count() < 2,
     reason="two ranks need two accelerators on this machine",
 )
-@pytest.mark.parametrize("layout", ["tp2", pytest.param("dp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", pytest.param("dp2", marks=pytest.mark.slow)])
 def test_a_resumed_two_rank_run_continues_exactly(tmp_path, layout):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -108,8 +109,8 @@ def test_a_resumed_two_rank_run_continues_exactly(tmp_path, layout):
     assert run["version"] == resumed["version"] == 1
     tp = LAYOUTS[layout][0]
     index = torch.load(saved / "optim.pt", weights_only=False)  # the layout and its optimizer shards
-    assert index["tp_size"] == tp and len(index["shards"]) == tp
-    files = [f for shard in index["shards"] for f in ([shard] if isinstance(shard, str) else shard)]
+    assert index["tp_size"] == tp and len(index["shards"][0]) == tp  # [stage][tp rank][dp x cp rank]
+    files = [f for stage in index["shards"] for per_tp in stage for f in per_tp]
     assert files and all((saved / f).is_file() for f in files), files
     a, b = run["stats"], resumed["stats"]
     assert set(a) == set(b) and {"ppo/loss", "train/grad_norm", "train/lr", "train/n_tokens"} <= set(a)
@@ -134,9 +135,10 @@ def test_a_resumed_two_rank_run_continues_exactly(tmp_path, layout):
     for name, tensor in hf.state_dict().items():
         assert torch.equal(tensor, run["weights1"][name]), name
 
-    if layout == "tp2":  # the optimizer shards are per TP rank: another tp_size is refused
+    if layout in ("tp2", "pp2"):  # the optimizer shards are per TP rank and stage: another layout is refused
         from areal_npu.train.dist import init_distributed
 
         init_distributed()
-        with pytest.raises(ValueError, match=r"tp_size=2.*tp_size=1.*same tp_size"):
+        key = layout[:2] + "_size"
+        with pytest.raises(ValueError, match=rf"{key}=2.*{key}=1.*same {key}"):
             _engine(1).load_checkpoint(saved)

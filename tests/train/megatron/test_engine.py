@@ -152,9 +152,8 @@ def test_options_it_cannot_honour_are_refused():
     config, hf = tiny_qwen3()
     with pytest.raises(ConfigError, match="packing.tp_size"):
         megatron_config(2, packing=PackingConfig(tp_size=4)).validate()
-    for kwargs, key in (
+    for kwargs, key in (  # pipeline layouts: test_pipeline.py
         (dict(megatron=MegatronLayoutConfig(sequence_parallel=True)), "megatron.sequence_parallel"),
-        (dict(megatron=MegatronLayoutConfig(pp_size=2)), "megatron.pp_size"),
     ):
         with pytest.raises(ConfigError, match=key):
             MegatronEngine(config, hf.state_dict(), TrainEngineConfig(backend="megatron", **kwargs))
