@@ -8,7 +8,10 @@ What runs where:
 - **Qwen3.5 / 3.6** (Gated DeltaNet hybrids, ``qwen3_5*``): not wired, on every device, with a
   sentence saying so; train it with ``train.backend: fsdp2``. Megatron-Core 0.16.1 has a
   ``GatedDeltaNet`` (``megatron/core/ssm/gated_delta_net.py``) but it refuses packed (THD) sequences
-  and needs FLA's Triton kernels; MindSpeed's NPU Gated DeltaNet is the intended path (not wired).
+  and needs FLA's Triton kernels; MindSpeed's NPU Gated DeltaNet is not wired. The layer itself,
+  tensor-parallel over heads and exact on packed rows, exists (:mod:`.gdn`); what is missing is its
+  place in the layer specs, Qwen3.5's gated attention / zero-centred norms in the decoder (the MTP
+  layer has them, :mod:`.mtp`) and the published checkpoint layout in the conversion.
 - Refused everywhere (a sentence each): attention bias, sliding windows, RoPE scaling, MoE.
 
 Recomputation (``train.gradient_checkpointing``, :func:`recompute_fields`): Megatron's own full,
