@@ -20,22 +20,20 @@ def build_engine(
 ) -> TrainEngine:
     """The engine ``train.backend`` names, holding the weights of the HF checkpoint ``checkpoint``
     (and its ``mtp.*`` head where ``mtp`` asks for one). Needs ``torch.distributed`` initialised."""
+    from areal_npu.model.layout import load_for_training
+
     if train.backend == "fsdp2":
-        from areal_npu.model.layout import load_for_training
         from areal_npu.train.fsdp2 import FSDPEngine
 
         lm, head, layout = load_for_training(checkpoint, mtp)
         return FSDPEngine(lm, head, train, mtp, pad_token_id=pad_token_id, layout=layout)
     if train.backend == "megatron":
-        import torch
-        from transformers import AutoModelForCausalLM
-
         from areal_npu.train.megatron.engine import MegatronEngine, check_mtp
 
         check_mtp(mtp)  # before loading anything
-        lm = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-        engine = MegatronEngine.from_hf_model(lm, train, mtp_config=mtp, pad_token_id=pad_token_id)
-        del lm
+        lm, head, layout = load_for_training(checkpoint, mtp)  # either layout: the text LM trains
+        engine = MegatronEngine.from_hf_model(lm, train, head, mtp_config=mtp, pad_token_id=pad_token_id, layout=layout)
+        del lm, head
         return engine
     raise ConfigError("train.backend", f"no engine for {train.backend!r}")
 
@@ -84,9 +82,11 @@ def check_trainer(cfg) -> None:
     check_loss_layout(loss, train.megatron.cp_size)
     layout = train.megatron
     try:
-        check_layout(hf, layout.tp_size, layout.pp_size)
+        check_layout(hf, layout.tp_size, layout.pp_size, layout.cp_size, layout.sequence_parallel)
     except ValueError as exc:
-        key = "train.megatron.pp_size" if "pp_size" in str(exc) else "train.megatron.tp_size"
+        text = str(exc)
+        key = next((f"train.megatron.{k}" for k in ("pp_size", "cp_size", "sequence_parallel") if k in text),
+                   "train.megatron.tp_size")  # fmt: skip
         raise ConfigError(key, str(exc)) from None
 
 

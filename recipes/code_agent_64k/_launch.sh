@@ -39,9 +39,9 @@ Environment:
                           the others: workers that join it; RAY_PORT: 6379) and run the job on it
 
 Not built yet: torchrun across nodes (areal-npu starts torchrun on one node only); without
-LAUNCHER=ray a run without --dry-run stops with exit code $EXIT_NOT_BUILT and says so. Either way the
-Megatron engine does not yet build Qwen3.6's Gated DeltaNet layers (MindSpeed's are not wired):
-areal-npu refuses the model before any work.
+LAUNCHER=ray a run without --dry-run stops with exit code $EXIT_NOT_BUILT and says so. The Megatron
+engine builds Qwen3.6's Gated DeltaNet layers with transformers' torch kernels (MindSpeed's fused ones
+are not wired), without sequence or context parallelism; none of it has run on an NPU.
 EOF
 }
 
@@ -191,5 +191,4 @@ fi
 # nodes), the controller on node 0. areal-npu runs torchrun on one node only (--standalone).
 die "$EXIT_NOT_BUILT" "not started: this job spans $NNODES nodes ($TRAIN_NODES training, $((NNODES - TRAIN_NODES)) \
 running rollout engines); \`areal-npu train\` starts its trainer ranks with torchrun on one node only, a multi-node \
-torchrun launch is not built: use LAUNCHER=ray. (The Megatron engine does not build Qwen3.5/3.6's Gated DeltaNet \
-layers yet either.) \`$(basename "$0") --dry-run\` prints the whole plan."
+torchrun launch is not built: use LAUNCHER=ray. \`$(basename "$0") --dry-run\` prints the whole plan."

@@ -140,3 +140,29 @@ def ppo_step_outputs(engine, samples):
         "grads": grads,
         "weights": dict(engine.full_state_dict()),
     }
+
+
+#: A tiny Qwen3.5 hybrid for the Megatron engine: Gated DeltaNet layers 0 and 2, gated full attention
+#: in 1 and 3 (``linear_attention_every=2``), partial RoPE (a quarter of the head), zero-centred norms.
+TINY_QWEN35 = dict(layout="text", hidden_size=64, intermediate_size=96, head_dim=16, num_hidden_layers=4,
+                   linear_attention_every=2, linear_head_dim=0, mtp_num_hidden_layers=1)  # fmt: skip
+
+
+def tiny_qwen35(seed: int = 3, **overrides):
+    """(HF text config, float32 ``Qwen3_5ForCausalLM`` in eval mode, its MTP head): norms (zero-centred:
+    0 is the identity), the Gated DeltaNet's ``A_log`` / ``dt_bias`` and the head perturbed, so a
+    mis-mapped one changes the logits."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from areal_npu.model.mtp import Qwen35MTP
+    from areal_npu.model.tiny import TinyModelConfig, hf_config
+
+    config = hf_config(TinyModelConfig(**{**TINY_QWEN35, **overrides}))
+    torch.manual_seed(seed)
+    lm, head = Qwen3_5ForCausalLM(config).float().eval(), Qwen35MTP(config).float()
+    with torch.no_grad():
+        for module in (lm, head):
+            for name, p in module.named_parameters():
+                if "norm" in name or "A_log" in name or "dt_bias" in name:
+                    p.add_(0.2 * torch.randn_like(p))
+    return config, lm, head

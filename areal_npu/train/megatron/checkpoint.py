@@ -28,7 +28,7 @@ import torch.distributed as dist
 from areal_npu.train.checkpoint import read_trainer_state, write_checkpoint
 from areal_npu.train.megatron import convert
 
-__all__ = ["load_checkpoint", "save_checkpoint", "write_hf_checkpoint"]
+__all__ = ["export_buckets", "load_checkpoint", "save_checkpoint", "write_hf_checkpoint"]
 
 
 def _shard_file(tp_rank: int, dp_cp_rank: int, stage=None) -> str:
@@ -36,19 +36,40 @@ def _shard_file(tp_rank: int, dp_cp_rank: int, stage=None) -> str:
     return f"optim_{pp}tp{tp_rank}_dp{dp_cp_rank}.pt"
 
 
-def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
-    """The weights as a Hugging Face checkpoint (``config.json``, ``model.safetensors``, the
-    tokenizer). Collective over TP unless ``tensors`` (HF names) is given; only rank 0 writes."""
-    from safetensors.torch import save_file
+def export_buckets(engine, bucket_bytes: int, kinds):
+    """:meth:`MegatronEngine.export_buckets`: ``policy`` buckets, then the head's ``mtp.*`` (a bucket
+    holds one kind: vLLM loads the drafter apart), then, only when asked, ``vision`` (a published
+    checkpoint's carried vision tower); names of the checkpoint's layout
+    (:meth:`areal_npu.model.layout.CheckpointLayout.checkpoint_name`), tensors in the compute dtype
+    (the params the forward uses). Collective over every rank."""
+    from areal_npu.train.megatron.mtp import mtp_mcore_to_hf
 
+    unknown = sorted(set(kinds) - {"policy", "mtp", "vision"})
+    if unknown:
+        raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp or vision")
+    rename = engine.layout.checkpoint_name
+    if "policy" in kinds:
+        named = dict(engine.module.named_parameters())
+        policy = convert.gathered_hf_tensors(named, engine.shape, engine.tp_group, engine.pp_group)
+        for bucket in convert.export_buckets(((rename(n), t) for n, t in policy), bucket_bytes):
+            yield "policy", bucket
+    if "mtp" in kinds and engine.mtp is not None:
+        head = mtp_mcore_to_hf(dict(engine.mtp.named_parameters()), engine.shape, engine.tp_group)
+        for bucket in convert.export_buckets(head, bucket_bytes):
+            yield "mtp", bucket
+    if "vision" in kinds and engine.layout.carried:
+        for bucket in convert.export_buckets(iter(engine.layout.carried.items()), bucket_bytes):
+            yield "vision", bucket
+
+
+def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
+    """The weights as a Hugging Face checkpoint in the layout the model came from (``config.json``,
+    ``model.safetensors``, a published checkpoint's vision tower and processor files, the tokenizer).
+    Collective unless ``tensors`` (training names) is given; only rank 0 writes."""
     tensors = dict(engine.full_state_dict()) if tensors is None else tensors
     out = Path(out_dir)
     if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        engine.hf_config.save_pretrained(out)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        engine.layout.save(out, tensors.items(), engine.hf_config, tokenizer)
     return out
 
 
@@ -88,7 +109,8 @@ def load_checkpoint(engine, path: str | Path) -> dict:
                 f"{path}: optimizer state was saved with {key}={index.get(key, 1)}, this engine runs "
                 f"{key}={getattr(layout, key)}; resume with the same {key}"
             )
-    hf = load_file(str(path / "model.safetensors"))
+    named = ((engine.layout.training_name(n), t) for n, t in load_file(str(path / "model.safetensors")).items())
+    hf = {n: t for n, t in named if n is not None}  # a published checkpoint's vision tower is carried
     head = {n: hf.pop(n) for n in list(hf) if n.startswith("mtp.")}
     state = convert.hf_to_mcore(hf, engine.shape, engine.tp_rank, layout.tp_size, engine.stage)
     from areal_npu.train.megatron.engine import MTP_MODULE

@@ -109,8 +109,17 @@ class Stage:
 
 ALL = Stage()
 
-#: Kinds whose weight every TP rank holds whole.
-REPLICATED = ("replicated", "head_norm")
+#: Kinds whose weight every TP rank holds whole. ``zc`` / ``zc_head_norm``: Qwen3.5's zero-centred
+#: norms (``(1 + w) x / rms(x)``), held by Megatron's plain RMSNorm as ``1 + w``; ``gdn:<name>``: a
+#: Gated DeltaNet tensor (:mod:`.gdn`), of which only the gated norm is replicated.
+REPLICATED = ("replicated", "head_norm", "zc", "zc_head_norm", "gdn:norm.weight")
+#: Replicated kinds whose gradient is a partial sum over TP ranks (each rank applies them to its heads).
+TP_PARTIAL_KINDS = ("head_norm", "zc_head_norm", "gdn:norm.weight")
+#: Qwen3.5's full-attention layer: zero-centred norms, the query projection carrying an output gate.
+ZERO_CENTRED = {"replicated": "zc", "head_norm": "zc_head_norm", "qkv": "gated_qkv"}
+#: A Gated DeltaNet layer's tensors (HF ``linear_attn.<name>`` -> Megatron ``self_attention.gdn.inner.<name>``).
+GDN_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+               "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")  # fmt: skip
 
 
 LAYER_TABLE: tuple[Rule, ...] = (
@@ -139,16 +148,33 @@ MODEL_TABLE: tuple[Rule, ...] = (
 )
 
 
+def _layer_table(shape: GPTShape, i: int) -> list[Rule]:
+    """Layer ``i``'s rules: Qwen3's, or a Qwen3.5 full-attention / Gated DeltaNet layer's."""
+    if not shape.hybrid:
+        return list(LAYER_TABLE)
+    table = [Rule(r.hf, r.mcore, ZERO_CENTRED.get(r.kind, r.kind)) for r in LAYER_TABLE]
+    if shape.layer_types[i] == "full_attention":
+        return table
+    keep = [r for r in table if ".self_attn." not in r.hf[0]]  # norms and the MLP
+    return keep + [
+        Rule((f"model.layers.{{i}}.linear_attn.{n}",), f"decoder.layers.{{i}}.self_attention.gdn.inner.{n}", f"gdn:{n}")
+        for n in GDN_TENSORS
+    ]  # fmt: skip
+
+
 def rules(shape: GPTShape, stage: Stage = ALL) -> list[Rule]:
     """Every rule of this model (of ``stage``: its layers, HF names with the global index, Megatron
     names with the local one), in HF order; no ``lm_head`` when tied."""
     model = {r.mcore: r for r in MODEL_TABLE}
+    if shape.hybrid:
+        norm = model["decoder.final_layernorm.weight"]
+        model[norm.mcore] = Rule(norm.hf, norm.mcore, "zc")
     out = [model["embedding.word_embeddings.weight"]] if stage.first else []
     layers = stage.layers(shape.num_layers)
     for i in layers:
         out += [
             Rule(tuple(h.format(i=i) for h in r.hf), r.mcore.format(i=i - layers.start), r.kind)
-            for r in LAYER_TABLE
+            for r in _layer_table(shape, i)
         ]
     if stage.last:
         out.append(model["decoder.final_layernorm.weight"])
@@ -159,13 +185,13 @@ def rules(shape: GPTShape, stage: Stage = ALL) -> list[Rule]:
 
 def tp_partition_dims(shape: GPTShape, stage: Stage = ALL) -> dict[str, int]:
     """Megatron name -> the dim its TP shards split (replicated weights are absent)."""
-    dims = {"column": 0, "vocab": 0, "qkv": 0, "gate_up": 0, "row": 1}
-    return {r.mcore: dims[r.kind] for r in rules(shape, stage) if r.kind not in REPLICATED}
+    dims = {"column": 0, "vocab": 0, "qkv": 0, "gated_qkv": 0, "gate_up": 0, "row": 1, "gdn:out_proj.weight": 1}
+    return {r.mcore: dims.get(r.kind, 0) for r in rules(shape, stage) if r.kind not in REPLICATED}
 
 
 def tp_partial_grad_names(shape: GPTShape, stage: Stage = ALL) -> list[str]:
     """Replicated weights whose gradients are partial over TP ranks (the per-head q/k norms)."""
-    return [r.mcore for r in rules(shape, stage) if r.kind == "head_norm"]
+    return [r.mcore for r in rules(shape, stage) if r.kind in TP_PARTIAL_KINDS]
 
 
 def hf_names(shape: GPTShape) -> list[str]:
@@ -186,14 +212,43 @@ def hf_shape(name: str, shape: GPTShape) -> tuple[int, ...]:
         "k_proj.weight": (shape.num_query_groups * d, h),
         "v_proj.weight": (shape.num_query_groups * d, h),
         "o_proj.weight": (h, shape.num_heads * d),
+        **_gdn_shapes(shape),
         "gate_proj.weight": (f, h),
         "up_proj.weight": (f, h),
         "down_proj.weight": (h, f),
     }
+    if shape.hybrid:  # the query projection carries a gate per head
+        suffixes["q_proj.weight"] = (2 * shape.num_heads * d, h)
     for suffix in sorted(suffixes, key=len, reverse=True):  # q_norm before norm
         if name.endswith(suffix):
             return suffixes[suffix]
     raise KeyError(f"no shape known for HF tensor {name!r}")
+
+
+def _gdn_config(shape: GPTShape):
+    from types import SimpleNamespace
+
+    hk, dk, hv, dv, _ = shape.linear_dims
+    return SimpleNamespace(linear_num_key_heads=hk, linear_key_head_dim=dk, linear_num_value_heads=hv,
+                           linear_value_head_dim=dv)  # fmt: skip
+
+
+def _gdn_shapes(shape: GPTShape) -> dict[str, tuple[int, ...]]:
+    if not shape.hybrid:
+        return {}
+    hk, dk, hv, dv, kernel = shape.linear_dims
+    h, channels = shape.hidden_size, 2 * hk * dk + hv * dv
+    return {
+        "linear_attn.in_proj_qkv.weight": (channels, h),
+        "linear_attn.in_proj_z.weight": (hv * dv, h),
+        "linear_attn.in_proj_b.weight": (hv, h),
+        "linear_attn.in_proj_a.weight": (hv, h),
+        "linear_attn.conv1d.weight": (channels, 1, kernel),
+        "linear_attn.A_log": (hv,),
+        "linear_attn.dt_bias": (hv,),
+        "linear_attn.norm.weight": (dv,),
+        "linear_attn.out_proj.weight": (h, hv * dv),
+    }
 
 
 # ---- full tensors <-> the fused Megatron layout (tp = 1) ---------------------------------------
@@ -213,8 +268,37 @@ def split_qkv(fused: torch.Tensor, shape: GPTShape) -> tuple[torch.Tensor, torch
     return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
 
 
+def fuse_gated_qkv(q, k, v, shape: GPTShape) -> torch.Tensor:
+    """Megatron's ``linear_qkv`` with ``attention_output_gate``: per query group ``[q; gate; k; v]``
+    from HF's ``q_proj`` (per head ``[query (d); gate (d)]``), ``k_proj`` and ``v_proj``."""
+    g, d = shape.num_query_groups, shape.head_dim
+    per = shape.num_heads // g
+    hidden = q.shape[-1]
+    q_and_gate = q.view(g, per, 2, d, hidden)
+    fused = [q_and_gate[:, :, 0].reshape(g, per * d, hidden), q_and_gate[:, :, 1].reshape(g, per * d, hidden)]
+    return torch.cat(fused + [k.view(g, d, hidden), v.view(g, d, hidden)], dim=1).reshape(-1, hidden)
+
+
+def split_gated_qkv(fused, shape: GPTShape):
+    g, d = shape.num_query_groups, shape.head_dim
+    per = shape.num_heads // g
+    hidden = fused.shape[-1]
+    q, gate, k, v = fused.view(g, (2 * per + 2) * d, hidden).split([per * d, per * d, d, d], dim=1)
+    q_and_gate = torch.stack([q.view(g, per, d, hidden), gate.view(g, per, d, hidden)], dim=2)
+    return q_and_gate.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+
 def shard(rule_kind: str, tensors: Sequence[torch.Tensor], shape: GPTShape, tp_rank: int, tp_size: int):
     """This TP rank's Megatron tensor from the full HF tensor(s) of one rule."""
+    if rule_kind in ("zc", "zc_head_norm"):
+        return 1.0 + tensors[0].float()
+    if rule_kind == "gated_qkv":
+        return fuse_gated_qkv(*tensors, shape).chunk(tp_size, dim=0)[tp_rank]
+    if rule_kind.startswith("gdn:"):
+        from areal_npu.train.megatron.gdn import shard_gdn
+
+        name = rule_kind[len("gdn:") :]
+        return shard_gdn({name: tensors[0]}, _gdn_config(shape), tp_rank, tp_size)[name]
     if rule_kind in REPLICATED:
         return tensors[0]
     if rule_kind in ("column", "vocab"):
@@ -229,8 +313,21 @@ def shard(rule_kind: str, tensors: Sequence[torch.Tensor], shape: GPTShape, tp_r
     raise ValueError(f"unknown rule kind {rule_kind!r}")
 
 
-def unshard(rule_kind: str, shards: Sequence[torch.Tensor], shape: GPTShape) -> list[torch.Tensor]:
-    """The full HF tensor(s) of one rule from every TP rank's Megatron shard (rank order)."""
+def unshard(
+    rule_kind: str, shards: Sequence[torch.Tensor], shape: GPTShape, grads: bool = False
+) -> list[torch.Tensor]:
+    """The full HF tensor(s) of one rule from every TP rank's Megatron shard (rank order).
+    ``grads``: the tensors are gradients (a zero-centred norm's gradient w.r.t. ``w`` is the one
+    w.r.t. ``1 + w``: no shift)."""
+    if rule_kind in ("zc", "zc_head_norm"):
+        return [shards[0] if grads else shards[0] - 1.0]
+    if rule_kind == "gated_qkv":
+        return list(split_gated_qkv(torch.cat(list(shards), dim=0), shape))
+    if rule_kind.startswith("gdn:"):
+        from areal_npu.train.megatron.gdn import unshard_gdn
+
+        name = rule_kind[len("gdn:") :]
+        return [unshard_gdn([{name: s} for s in shards], _gdn_config(shape))[name]]
     if rule_kind in REPLICATED:
         return [shards[0]]
     if rule_kind in ("column", "vocab"):
@@ -291,7 +388,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def gathered_hf_tensors(
-    named_params: Mapping[str, torch.Tensor], shape: GPTShape, tp_group=None, pp_group=None
+    named_params: Mapping[str, torch.Tensor], shape: GPTShape, tp_group=None, pp_group=None, grads: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full CPU tensor) for every weight, one rule at a time, on every rank: shards are
     all-gathered over ``tp_group`` and, with pipeline stages (``pp_group``), broadcast from the stage
@@ -312,7 +409,7 @@ def gathered_hf_tensors(
                 else:
                     shards = [torch.empty_like(local) for _ in range(tp)]
                     dist.all_gather(shards, local.contiguous(), group=tp_group)
-                tensors = [t.contiguous() for t in unshard(rule.kind, shards, shape)]
+                tensors = [t.contiguous() for t in unshard(rule.kind, shards, shape, grads)]
             else:
                 device = next(iter(named_params.values())).device
                 tensors = [torch.empty(hf_shape(h, shape), dtype=dtype, device=device) for h in rule.hf]

@@ -30,7 +30,7 @@ Recomputation (``train.gradient_checkpointing``) is Megatron's own (:func:`.mode
 Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config`,
 :func:`areal_npu.train.megatron.mtp.check_mtp` or the constructor with a sentence): the MTP head or
 tied embeddings with pipeline stages, interleaved (virtual) pipeline stages, sequence parallelism
-together with CP, Qwen3.5's Gated DeltaNet layers (Megatron-Core 0.16.1's ``GatedDeltaNet`` refuses packed sequences and needs FLA; MindSpeed's is not wired).
+together with CP, CP or sequence parallelism for Qwen3.5 hybrids (:mod:`.hybrid`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from areal_npu.data.context_parallel import cp_gather
 from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
 from areal_npu.data.packing import packing_stats, plan_micro_batches
 from areal_npu.data.sample import TrainSample, truncate_sample
+from areal_npu.model.layout import TEXT, CheckpointLayout
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.platform import current_platform
 from areal_npu.train.config import TrainEngineConfig
@@ -92,6 +93,7 @@ class MegatronEngine:
         mtp_config: MTPConfig | None = None,
         pad_token_id: int = 0,
         mtp_state: Mapping[str, torch.Tensor] | None = None,
+        layout: CheckpointLayout | None = None,
     ):
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed first (areal_npu.train.dist.init_distributed)")
@@ -110,6 +112,7 @@ class MegatronEngine:
         self.version = 0
         self.mtp = None  # the interface's MTP head slot: Megatron's MultiTokenPredictionLayer
         self.hf_config = hf_config
+        self.layout = layout or CheckpointLayout(TEXT)  # names of exports and saves (published: renamed)
         self.shape = gpt_shape(hf_config)
 
         layout = config.megatron
@@ -404,29 +407,18 @@ class MegatronEngine:
     def hf_grads(self) -> dict[str, torch.Tensor]:
         """The accumulated fp32 gradients under HF names, full tensors (collective over TP)."""
         out = dict(
-            convert.gathered_hf_tensors(self.optimizer.grads(0), self.shape, self.tp_group, self.pp_group)
+            convert.gathered_hf_tensors(self.optimizer.grads(0), self.shape, self.tp_group, self.pp_group, True)
         )
         if self.mtp is not None:
             out.update(mtp_mcore_to_hf(self.optimizer.grads(1), self.shape, self.tp_group, grads=True))
         return out
 
     def export_buckets(self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")):
-        """Weights for the rollout sync in size-bounded buckets, ``(kind, [(hf_name, tensor), ...])``,
-        as :meth:`areal_npu.train.fsdp2.FSDPEngine.export_buckets`: ``policy`` buckets, then the
-        head's ``mtp.*`` (a bucket holds one kind: vLLM loads the drafter apart), in the compute
-        dtype (the params the forward uses). Collective over TP."""
-        unknown = sorted(set(kinds) - {"policy", "mtp", "vision"})
-        if unknown:
-            raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp or vision")
-        if "policy" in kinds:
-            named = dict(self.module.named_parameters())
-            policy = convert.gathered_hf_tensors(named, self.shape, self.tp_group, self.pp_group)
-            for bucket in convert.export_buckets(policy, bucket_bytes):
-                yield "policy", bucket
-        if "mtp" in kinds and self.mtp is not None:
-            head = mtp_mcore_to_hf(dict(self.mtp.named_parameters()), self.shape, self.tp_group)
-            for bucket in convert.export_buckets(head, bucket_bytes):
-                yield "mtp", bucket
+        """Weights for the rollout sync in size-bounded buckets, ``(kind, [(name, tensor), ...])``,
+        as :meth:`areal_npu.train.fsdp2.FSDPEngine.export_buckets` (:func:`.checkpoint.export_buckets`)."""
+        from areal_npu.train.megatron.checkpoint import export_buckets
+
+        yield from export_buckets(self, bucket_bytes, kinds)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, root, extra: dict | None = None, tokenizer=None, keep_last: int = 2):

@@ -1,9 +1,8 @@
 """Qwen3.5 / 3.6's Gated DeltaNet, tensor-parallel over heads, for the Megatron engine.
 
-Status: a tested building block, *not yet a layer of the engine's model* (the engine still refuses
-Qwen3.5/3.6, :func:`areal_npu.train.megatron.model.check_supported`). Megatron-Core 0.16.1's own
+The engine's ``linear_attention`` layers (:mod:`.hybrid`). Megatron-Core 0.16.1's own
 ``GatedDeltaNet`` refuses packed sequences and needs FLA's Triton kernels; on the NPU MindSpeed
-carries one. This one is transformers' ``Qwen3_5GatedDeltaNet`` (the torch path the FSDP2 engine
+carries a fused one (not wired). This one is transformers' ``Qwen3_5GatedDeltaNet`` (the torch path the FSDP2 engine
 trains on the CPU and on Ascend, made exact on packed rows by
 :func:`areal_npu.compat.transformers.patch_linear_attention_for_packing`) holding this rank's heads.
 

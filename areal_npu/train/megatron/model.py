@@ -5,13 +5,12 @@ What runs where:
 - **Qwen3 dense** (``model_type: qwen3``): here, on every device. Local layer spec (Megatron's own
   ``ColumnParallelLinear`` / ``RowParallelLinear``, torch ``RMSNorm``) with the core attention
   replaced by :class:`areal_npu.train.megatron.attention.PackedCoreAttention` (our packed kernel).
-- **Qwen3.5 / 3.6** (Gated DeltaNet hybrids, ``qwen3_5*``): not wired, on every device, with a
-  sentence saying so; train it with ``train.backend: fsdp2``. Megatron-Core 0.16.1 has a
-  ``GatedDeltaNet`` (``megatron/core/ssm/gated_delta_net.py``) but it refuses packed (THD) sequences
-  and needs FLA's Triton kernels; MindSpeed's NPU Gated DeltaNet is not wired. The layer itself,
-  tensor-parallel over heads and exact on packed rows, exists (:mod:`.gdn`); what is missing is its
-  place in the layer specs, Qwen3.5's gated attention / zero-centred norms in the decoder (the MTP
-  layer has them, :mod:`.mtp`) and the published checkpoint layout in the conversion.
+- **Qwen3.5 / 3.6 dense** (Gated DeltaNet hybrids, ``qwen3_5_text``; either checkpoint layout, the
+  text model trains): :mod:`.hybrid` -- per layer type, gated full attention or our tensor-parallel
+  Gated DeltaNet (:mod:`.gdn`: transformers' torch layer, the path the FSDP2 engine takes on the CPU
+  and on Ascend). Megatron-Core 0.16.1's own ``GatedDeltaNet`` refuses packed (THD) sequences and
+  needs FLA's Triton kernels; MindSpeed's fused NPU kernels are not wired (the torch path runs
+  there, slower). No CP or sequence parallelism for these yet. MoE variants and Qwen3-Next are refused.
 - Refused everywhere (a sentence each): attention bias, sliding windows, RoPE scaling, MoE.
 
 Recomputation (``train.gradient_checkpointing``, :func:`recompute_fields`): Megatron's own full,
@@ -49,6 +48,7 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 QWEN35_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+HYBRID_TYPES = ("qwen3_5_text",)  # dense Qwen3.5 / 3.6 text models (:mod:`.hybrid`)
 
 
 def _text_config(hf_config):
@@ -59,13 +59,14 @@ def check_supported(hf_config, device_type: str = "cpu") -> None:
     """Raise ``NotImplementedError`` with a sentence when this config cannot be built here."""
     cfg = _text_config(hf_config)
     model_type = getattr(cfg, "model_type", None)
-    if model_type in QWEN35_TYPES or "linear_attention" in (getattr(cfg, "layer_types", None) or []):
+    if model_type in HYBRID_TYPES:
+        pass  # :mod:`.hybrid`
+    elif model_type in QWEN35_TYPES or "linear_attention" in (getattr(cfg, "layer_types", None) or []):
         raise NotImplementedError(
-            f"{model_type}: Qwen3.5/3.6 (Gated DeltaNet) is not wired into the Megatron engine (on "
-            f"{device_type} or any device: Megatron-Core 0.16.1's GatedDeltaNet refuses packed sequences, "
-            "MindSpeed's is not wired). Use train.backend=fsdp2"
+            f"{model_type}: the Megatron engine maps dense Qwen3.5/3.6 (qwen3_5_text), not their MoE "
+            f"variants or Qwen3-Next (on {device_type} or any device). Use train.backend=fsdp2"
         )
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    elif model_type not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(
             f"the Megatron engine builds {', '.join(SUPPORTED_MODEL_TYPES)} models, not {model_type!r}"
         )
@@ -95,6 +96,15 @@ class GPTShape:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # Qwen3.5 / 3.6 hybrids (:mod:`.hybrid`): per layer "linear_attention" | "full_attention" (empty:
+    # dense Qwen3), the Gated DeltaNet's (Hk, dk, Hv, dv, conv kernel) and the rotary fraction of a head
+    layer_types: tuple[str, ...] = ()
+    linear_dims: tuple[int, ...] = ()
+    rotary_percent: float = 1.0
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.layer_types)
 
 
 def gpt_shape(hf_config) -> GPTShape:
@@ -102,7 +112,15 @@ def gpt_shape(hf_config) -> GPTShape:
     rope = getattr(cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     heads = cfg.num_attention_heads
-    return GPTShape(
+    hybrid = {}
+    if getattr(cfg, "model_type", None) in HYBRID_TYPES:
+        hybrid = dict(
+            layer_types=tuple(cfg.layer_types),
+            linear_dims=(cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
+                         cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim),  # fmt: skip
+            rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
+        )
+    return GPTShape(**hybrid,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.intermediate_size,
@@ -145,12 +163,18 @@ def check_divisible(shape: GPTShape, tp_size: int) -> None:
         )
 
 
-def check_layout(hf_config, tp_size: int, pp_size: int = 1) -> None:
+def check_layout(
+    hf_config, tp_size: int, pp_size: int = 1, cp_size: int = 1, sequence_parallel: bool = False
+) -> None:
     """What a TP x PP layout needs of the model (:func:`check_divisible`; layers split evenly over
-    pipeline stages); ``ValueError`` naming the size otherwise. CP needs nothing of the model: the
-    packer pads every sequence to a multiple of ``2 * cp``."""
+    pipeline stages; a Qwen3.5 hybrid's limits, :func:`.hybrid.check_hybrid_layout`); ``ValueError``
+    naming the size otherwise. CP needs nothing of a dense model: the packer pads every sequence to a
+    multiple of ``2 * cp``."""
+    from areal_npu.train.megatron.hybrid import check_hybrid_layout
+
     shape = gpt_shape(hf_config)
     check_divisible(shape, tp_size)
+    check_hybrid_layout(shape, tp_size, cp_size, sequence_parallel)
     if shape.num_layers % pp_size:
         raise ValueError(f"num_hidden_layers={shape.num_layers} is not divisible by pp_size={pp_size}")
     if pp_size > 1 and shape.tie_word_embeddings:
@@ -227,8 +251,7 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
-        **recompute_fields(recompute),
-        **overrides,
+        **{"attention_output_gate": shape.hybrid, **recompute_fields(recompute), **overrides},
     )
 
 
@@ -285,11 +308,16 @@ def layer_spec():
     return spec
 
 
-def block_spec(num_layers: int):
-    """The decoder: :func:`layer_spec` per layer and a :class:`TorchRMSNorm` final norm."""
+def block_spec(hf_config, layers: range):
+    """The decoder layers ``layers`` (global indices: one pipeline stage's): :func:`layer_spec` per
+    layer (a Qwen3.5 hybrid's per layer type, :mod:`.hybrid`) and a :class:`TorchRMSNorm` final norm."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    return TransformerBlockSubmodules(layer_specs=[layer_spec()] * num_layers, layer_norm=TorchRMSNorm)
+    from areal_npu.train.megatron.hybrid import hybrid_layer_specs
+
+    shape = gpt_shape(hf_config)
+    specs = hybrid_layer_specs(hf_config, shape, layers) if shape.hybrid else [layer_spec()] * len(layers)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchRMSNorm)
 
 
 def build_gpt_model(
@@ -316,7 +344,7 @@ def build_gpt_model(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    check_layout(hf_config, tp_size, pp_size)
+    check_layout(hf_config, tp_size, pp_size, cp_size, sequence_parallel)
     cfg = transformer_config(
         hf_config,
         tp_size=tp_size,
@@ -328,9 +356,11 @@ def build_gpt_model(
         recompute=recompute,
     )
     shape = gpt_shape(hf_config)
+    per_stage = shape.num_layers // pp_size
+    first = (ps.get_pipeline_model_parallel_rank() if pp_size > 1 else 0) * per_stage
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=block_spec(shape.num_layers // pp_size),
+        transformer_layer_spec=block_spec(hf_config, range(first, first + per_stage)),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=pp_size == 1 or ps.is_pipeline_first_stage(),
@@ -338,7 +368,7 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=shape.rotary_percent,
         rotary_base=shape.rope_theta,
     )
     return model.to(device=device or platform.current_device())

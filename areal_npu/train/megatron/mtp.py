@@ -64,7 +64,7 @@ __all__ = [
 
 #: HF ``mtp.*`` <-> Megatron ``MultiTokenPredictionLayer`` names; kinds as in :mod:`.convert`, plus
 #: ``zc`` / ``zc_head_norm`` (zero-centred norms: Megatron holds ``1 + w``) and ``gated_qkv``.
-_ZC = {"replicated": "zc", "head_norm": "zc_head_norm", "qkv": "gated_qkv"}
+_ZC = convert.ZERO_CENTRED
 MTP_RULES: tuple[Rule, ...] = (
     Rule(("mtp.fc.weight",), "eh_proj.weight", "column"),
     Rule(("mtp.pre_fc_norm_embedding.weight",), "enorm.weight", "zc"),
@@ -293,38 +293,12 @@ def vocab_parallel_mtp_loss(
 
 
 # ---- weights ------------------------------------------------------------------------------------
-def _fuse_gated_qkv(q, k, v, shape: GPTShape) -> torch.Tensor:
-    g, d = shape.num_query_groups, shape.head_dim
-    per = shape.num_heads // g
-    hidden = q.shape[-1]
-    q_and_gate = q.view(g, per, 2, d, hidden)  # HF: per head [query (d); gate (d)]
-    fused = [q_and_gate[:, :, 0].reshape(g, per * d, hidden), q_and_gate[:, :, 1].reshape(g, per * d, hidden)]
-    return torch.cat(fused + [k.view(g, d, hidden), v.view(g, d, hidden)], dim=1).reshape(-1, hidden)
-
-
-def _split_gated_qkv(fused, shape: GPTShape):
-    g, d = shape.num_query_groups, shape.head_dim
-    per = shape.num_heads // g
-    hidden = fused.shape[-1]
-    q, gate, k, v = fused.view(g, (2 * per + 2) * d, hidden).split([per * d, per * d, d, d], dim=1)
-    q_and_gate = torch.stack([q.view(g, per, d, hidden), gate.view(g, per, d, hidden)], dim=2)
-    return q_and_gate.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
-
-
 def _shard(rule: Rule, tensors, shape: GPTShape, tp_rank: int, tp_size: int) -> torch.Tensor:
-    if rule.kind in ("zc", "zc_head_norm"):
-        return 1.0 + tensors[0].float()
-    if rule.kind == "gated_qkv":
-        return _fuse_gated_qkv(*tensors, shape).chunk(tp_size, dim=0)[tp_rank]
     return convert.shard(rule.kind, tensors, shape, tp_rank, tp_size)
 
 
-def _unshard(rule: Rule, shards, shape: GPTShape) -> list[torch.Tensor]:
-    if rule.kind in ("zc", "zc_head_norm"):
-        return [shards[0] - 1.0]
-    if rule.kind == "gated_qkv":
-        return list(_split_gated_qkv(torch.cat(list(shards), dim=0), shape))
-    return convert.unshard(rule.kind, shards, shape)
+def _unshard(rule: Rule, shards, shape: GPTShape, grads: bool = False) -> list[torch.Tensor]:
+    return convert.unshard(rule.kind, shards, shape, grads)
 
 
 def mtp_hf_to_mcore(
@@ -361,6 +335,6 @@ def mtp_mcore_to_hf(named: Mapping[str, torch.Tensor], shape: GPTShape, tp_group
         else:
             shards = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(shards, local.contiguous(), group=tp_group)
-        full = [shards[0]] if grads and rule.kind in ("zc", "zc_head_norm") else _unshard(rule, shards, shape)
+        full = _unshard(rule, shards, shape, grads)
         for name, tensor in zip(rule.hf, full):
-            yield name, tensor.cpu().contiguous()
+            yield name, tensor.to("cpu", copy=True).contiguous()  # not a view of live grads

@@ -1,0 +1,87 @@
+"""Qwen3.5 / 3.6 dense hybrids in the Megatron engine: Gated DeltaNet layers beside gated full attention.
+
+Per decoder layer (``layer_types`` of the text config):
+
+- ``full_attention``: the engine's local layer spec (packed core attention) with Megatron's
+  ``attention_output_gate`` (Qwen3.5's ``q_proj`` yields a query and an output gate per head,
+  ``attn * sigmoid(gate)``), partial RoPE (``rotary_percent`` = ``partial_rotary_factor``) and
+  zero-centred q/k norms.
+- ``linear_attention``: a ``TransformerLayer`` whose self-attention slot is
+  :class:`GatedDeltaNetAttention` -- :class:`areal_npu.train.megatron.gdn.ParallelGatedDeltaNet` on
+  the packed row's segments (``PackedSeqParams.cu_seqlens_q``), its heads split over TP.
+
+Every RMSNorm of Qwen3.5 is zero-centred (``(1 + w) x / rms(x)``); Megatron's plain RMSNorm holds
+``1 + w`` (the conversion's ``zc`` kinds, :mod:`.convert`), exact in the forward and the gradient.
+On text, Qwen3.5's multimodal rotary sections all see the one position of a token, which is plain
+RoPE over the rotary dims. MoE variants (``qwen3_5_moe``) are not mapped.
+
+Scope, each refused with a sentence by :func:`check_hybrid_layout`: no context parallelism (the
+Gated DeltaNet's state would have to pass from one CP rank's share of a sequence to the next) and no
+sequence parallelism (the layer takes the whole row); TP splits the heads (linear key and value
+heads divisible by ``tp``), pipeline stages split the layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from areal_npu.train.megatron.model import GPTShape
+
+__all__ = ["GatedDeltaNetAttention", "check_hybrid_layout", "hybrid_layer_specs"]
+
+
+def check_hybrid_layout(shape: GPTShape, tp_size: int, cp_size: int = 1, sequence_parallel: bool = False) -> None:
+    """``ValueError`` naming the setting a Qwen3.5 hybrid cannot run with."""
+    if not shape.hybrid:
+        return
+    if cp_size > 1:
+        raise ValueError(
+            f"cp_size={cp_size}: the Gated DeltaNet layers of Qwen3.5/3.6 would need their recurrent state "
+            "passed between context-parallel ranks, which is not wired; use cp_size 1"
+        )
+    if sequence_parallel:
+        raise ValueError("sequence_parallel with Qwen3.5/3.6: the Gated DeltaNet layers take whole rows")
+    hk, _, hv, _, _ = shape.linear_dims
+    if hk % tp_size or hv % tp_size:
+        raise ValueError(
+            f"linear_num_key_heads={hk} and linear_num_value_heads={hv} must be divisible by tp_size={tp_size}"
+        )
+
+
+class GatedDeltaNetAttention(torch.nn.Module):
+    """The self-attention slot of a ``linear_attention`` layer: ``forward(hidden [t, 1, H], ...,
+    packed_seq_params)`` returns ``(output [t, 1, H], None)`` as Megatron's ``SelfAttention`` does."""
+
+    def __init__(self, config, layer_number: int, text_config=None, **_megatron_kwargs):
+        super().__init__()
+        from megatron.core import parallel_state as ps
+
+        from areal_npu.train.megatron.gdn import ParallelGatedDeltaNet
+
+        tp = config.tensor_model_parallel_size
+        group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        self.gdn = ParallelGatedDeltaNet(text_config, layer_number - 1, tp, group, dtype=config.params_dtype)
+
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_unused):
+        t = hidden_states.shape[0]
+        if packed_seq_params is None:
+            cu = torch.tensor([0, t])
+        else:
+            cu = packed_seq_params.cu_seqlens_q
+        return self.gdn(hidden_states[:, 0], cu)[:, None], None
+
+
+def hybrid_layer_specs(hf_config, shape: GPTShape, layers: range) -> list:
+    """Megatron layer specs of the global decoder layers ``layers`` (one pipeline stage's)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from areal_npu.train.megatron.model import _text_config, layer_spec
+
+    text = _text_config(hf_config)
+    specs = []
+    for i in layers:
+        spec = layer_spec()
+        if shape.layer_types[i] == "linear_attention":
+            spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNetAttention, params={"text_config": text})
+        specs.append(spec)
+    return specs
