@@ -118,9 +118,9 @@ def gpt_shape(hf_config) -> GPTShape:
             layer_types=tuple(cfg.layer_types),
             linear_dims=(cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
                          cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim),  # fmt: skip
-            rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
+            rotary_percent=float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))),
         )
-    return GPTShape(**hybrid,
+    return GPTShape(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.intermediate_size,
@@ -132,6 +132,7 @@ def gpt_shape(hf_config) -> GPTShape:
         rope_theta=float(theta),
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        **hybrid,
     )
 
 
