@@ -123,16 +123,24 @@ def full_logits(engine, seqs):
     return unpack_per_token(local, batch)
 
 
-def ppo_step_outputs(engine, samples):
-    """What both layouts must agree on: logits, log-probs, loss, HF-named grads, weights after a step."""
-    seqs = [s.input_ids for s in make_samples(3, seed=5)]
-    logits = full_logits(engine, seqs)
+def ppo_step(engine, samples, hf_grads=None):
+    """One PPO step as the layout tests compare it: ``(prox, stats, grads)`` -- the proximal
+    log-probs (set on ``samples``), the step's stats, the HF-named gradients taken before the
+    optimizer step clips them (``hf_grads(engine)``, default ``engine.hf_grads()``)."""
     prox = engine.compute_logprobs(samples)
     for s, lp in zip(samples, prox):
         s.prox_logp = lp
     stats = engine.forward_backward(samples, PPOLoss())
-    grads = engine.hf_grads()
+    grads = hf_grads(engine) if hf_grads is not None else engine.hf_grads()
     stats.update(engine.optimizer_step())
+    return prox, stats, grads
+
+
+def ppo_step_outputs(engine, samples):
+    """What both layouts must agree on: logits, log-probs, loss, HF-named grads, weights after a step."""
+    seqs = [s.input_ids for s in make_samples(3, seed=5)]
+    logits = full_logits(engine, seqs)
+    prox, stats, grads = ppo_step(engine, samples)
     return {
         "logits": logits,
         "prox": prox,

@@ -18,9 +18,8 @@ pytestmark = pytest.mark.megatron
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.model.mtp import MTPConfig  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
-from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import full_logits, make_samples, megatron_config, tiny_qwen35  # noqa: E402
+from tests.support.megatron_tiny import full_logits, make_samples, megatron_config, ppo_step, tiny_qwen35  # noqa: E402
 
 CAP = 24  # several micro-batches
 OPTIM = dict(lr=1e-2, grad_clip=0.05, eps=1e-3)
@@ -47,13 +46,8 @@ def _fsdp(lm, head=None, mtp=None):
 
 
 def _step(engine, seed=0):
-    samples = make_samples(6, seed=seed)
-    prox = engine.compute_logprobs(samples)
-    for s, lp in zip(samples, prox):
-        s.prox_logp = lp
-    stats = engine.forward_backward(samples, PPOLoss())
-    grads = engine.hf_grads() if hasattr(engine, "hf_grads") else _fsdp_grads(engine)
-    stats.update(engine.optimizer_step())
+    grads = None if hasattr(engine, "hf_grads") else _fsdp_grads
+    prox, stats, grads = ppo_step(engine, make_samples(6, seed=seed), grads)
     return {"prox": prox, "stats": stats, "grads": grads, "weights": dict(engine.full_state_dict())}
 
 

@@ -15,9 +15,8 @@ pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
-from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step, tiny_qwen3  # noqa: E402
 
 LAYERS = 4
 CAP = 24  # several micro-batches of different packed lengths
@@ -37,13 +36,7 @@ def _engine(pp: int, tp: int = 1):
 
 
 def _outputs(engine) -> dict:
-    samples = make_samples(6)
-    prox = engine.compute_logprobs(samples)
-    for s, lp in zip(samples, prox):
-        s.prox_logp = lp
-    stats = engine.forward_backward(samples, PPOLoss())
-    grads = engine.hf_grads()
-    stats.update(engine.optimizer_step())
+    prox, stats, grads = ppo_step(engine, make_samples(6))
     exported = {n: t for _, bucket in engine.export_buckets(bucket_bytes=1 << 14) for n, t in bucket}
     return {
         "prox": prox,
