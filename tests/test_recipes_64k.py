@@ -37,14 +37,9 @@ SCALE_UP_KEYS = {
     "rollout.gpu_memory_utilization": "accelerator engines only (the CPU sizes its KV cache in GiB)",
     "rollout.startup_timeout_s": "loading 27B takes longer than the default",
     "rollout.request_timeout_s": "turns at 64K context take longer than the default",
-    "train.backend": "Megatron for tensor/context parallelism (the CPU run: FSDP2, the default)",
     "train.dp_size": "several trainer ranks",
     "train.dtype": "bf16 compute on the NPU (the CPU run trains in float32)",
     "train.gradient_checkpointing": "64K-token micro-batches",
-    "train.megatron.tp_size": "the Megatron layout",
-    "train.megatron.cp_size": "the Megatron layout",
-    "train.megatron.pp_size": "the Megatron layout",
-    "train.megatron.sequence_parallel": "the Megatron layout",
 }
 #: Keys only the CPU recipe sets: the tiny model, the CPU engine's KV cache, a short system prompt
 #: for the tiny context (the 64K recipe uses the built-in one), and the demonstration warm start's
@@ -269,7 +264,7 @@ def test_64k_recipe_keys_are_the_cpu_recipes():
     stale = sorted(set(SCALE_UP_KEYS) - set(big))
     assert not stale, f"SCALE_UP_KEYS lists keys the 64K recipe no longer sets: {stale}"
     # the same job: agent, tasks, MTP drafting with a trained head, decoupled PPO, asynchronous
-    for key in ("workflow.path", "task.kind", "ppo.decoupled", "mtp.enabled", "mtp.train"):
+    for key in ("workflow.path", "task.kind", "ppo.decoupled", "mtp.enabled", "mtp.train", "train.backend"):
         assert big[key] == cpu[key], key
     from areal_npu.rollout.config import MTP_ALIASES
 

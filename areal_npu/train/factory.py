@@ -30,7 +30,7 @@ def build_engine(
     if train.backend == "megatron":
         from areal_npu.train.megatron.engine import MegatronEngine, check_mtp
 
-        check_mtp(mtp)  # before loading anything
+        check_mtp(mtp, train.megatron.pp_size)  # before loading anything
         lm, head, layout = load_for_training(checkpoint, mtp)  # either layout: the text LM trains
         engine = MegatronEngine.from_hf_model(lm, train, head, mtp_config=mtp, pad_token_id=pad_token_id, layout=layout)
         del lm, head
@@ -78,7 +78,7 @@ def check_trainer(cfg) -> None:
         check_megatron_config(train)
     except ConfigError as exc:
         raise _prefixed(exc, "train.") from None
-    check_mtp(cfg.mtp, train.megatron.tp_size, train.megatron.cp_size, train.megatron.pp_size)
+    check_mtp(cfg.mtp, train.megatron.pp_size)
     check_loss_layout(loss, train.megatron.cp_size)
     layout = train.megatron
     try:

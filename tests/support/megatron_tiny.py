@@ -68,6 +68,14 @@ def reference_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([logp.new_zeros(1), logp])
 
 
+def ranks_fit(n: int) -> bool:
+    """Whether ``n`` ranks fit this machine: gloo ranks share the CPU; accelerator ranks need one device each."""
+    from areal_npu.platform import current_platform
+
+    plat = current_platform()
+    return plat.device_type == "cpu" or plat.device_count() >= n
+
+
 def megatron_config(tp: int = 1, cp: int = 1, **kwargs):
     """The ``train`` config of the Megatron engine with a TP x CP layout (``packing`` follows it)."""
     from areal_npu.train.config import TrainEngineConfig

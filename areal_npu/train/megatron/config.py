@@ -38,11 +38,6 @@ def check_megatron_config(train) -> None:
         raise ConfigError(
             "megatron.sequence_parallel", "shards activations over TP ranks: needs tp_size >= 2"
         )
-    if layout.sequence_parallel and layout.cp_size > 1:
-        raise ConfigError(
-            "megatron.sequence_parallel",
-            f"not wired together with context parallelism (cp_size={layout.cp_size})",
-        )
 
 
 def check_loss_layout(loss, cp_size: int) -> None:

@@ -17,7 +17,7 @@ and DP ranks; each CP rank's loss covers its tokens, so gradients are *summed* o
 group (TP reductions happen inside Megatron's layers), and the per-head q/k norms' partial
 gradients over TP.
 
-The MTP head (``mtp.*``, joint training, depth 1, any TP, one CP rank) is Megatron-Core's
+The MTP head (``mtp.*``, joint training, depth 1, any TP and CP) is Megatron-Core's
 ``MultiTokenPredictionLayer`` fed our inputs and trained with our loss (:mod:`.mtp`: where
 Megatron's block differs from our head and what is done instead); it has its own optimizer group
 (``lr x mtp.lr_scale``) and is clipped apart from the policy, as in the FSDP2 engine.
@@ -30,7 +30,7 @@ Recomputation (``train.gradient_checkpointing``) is Megatron's own (:func:`.mode
 Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config`,
 :func:`areal_npu.train.megatron.mtp.check_mtp` or the constructor with a sentence): the MTP head or
 tied embeddings with pipeline stages, interleaved (virtual) pipeline stages, sequence parallelism
-together with CP, CP or sequence parallelism for Qwen3.5 hybrids (:mod:`.hybrid`).
+together with CP. Qwen3.5 hybrids run every layout (:mod:`.hybrid`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class MegatronEngine:
         check_megatron_config(config)
         self.config = config
         self.mtp_config = mtp_config or MTPConfig(enabled=False)
-        check_mtp(self.mtp_config, config.megatron.tp_size, config.megatron.cp_size, config.megatron.pp_size)
+        check_mtp(self.mtp_config, config.megatron.pp_size)
         if self.mtp_config.enabled and not mtp_state:
             raise ValueError("mtp.enabled but no MTP head was given (load one or set mtp.init_new_head)")
         self.pad_token_id = pad_token_id
@@ -156,7 +156,7 @@ class MegatronEngine:
         groups = [{"named": named, "init": state}]  # the masters from the loaded fp32 values
         if self.mtp_config.enabled:
             recompute = config.gradient_checkpointing
-            self.mtp = build_mtp_layer(hf_config, layout.tp_size, dtype, self.device, recompute)
+            self.mtp = build_mtp_layer(hf_config, layout.tp_size, dtype, self.device, recompute, layout.cp_size)
             state = mtp_hf_to_mcore(mtp_state, self.shape, self.tp_rank, layout.tp_size)
             self.mtp.load_state_dict(state, strict=True)
             mtp_lr = config.optim.lr * self.mtp_config.lr_scale

@@ -17,6 +17,11 @@ projections and ``out_proj`` is per head, so TP rank ``r`` of ``tp`` takes key h
 ``dt_bias`` and columns of ``out_proj`` (row-parallel: the outputs are summed over TP). The gated
 norm's weight is shared by every head: each rank holds all of it and its gradient is a partial sum
 over TP (as the per-head q/k norms of attention, :data:`TP_PARTIAL`).
+
+Sequence and context parallelism (:class:`ParallelGatedDeltaNet`): the recurrence needs the whole
+sequence, so the layer gathers the row from the ranks' shares, the CP ranks split the TP rank's heads
+once more (the same slicing, applied to the weights inside the forward), and the output is summed
+back onto the shares.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import copy
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from areal_npu.data.context_parallel import cp_gather, cp_split
 
 __all__ = ["TP_PARTIAL", "ParallelGatedDeltaNet", "check_gdn_tp", "shard_gdn", "unshard_gdn"]
 
@@ -36,14 +43,23 @@ def _dims(cfg) -> tuple[int, int, int, int]:
     return cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
 
 
-def check_gdn_tp(cfg, tp_size: int) -> None:
-    """``ValueError`` naming the size when the heads do not split over ``tp_size`` ranks."""
+def check_gdn_tp(cfg, tp_size: int, cp_size: int = 1) -> None:
+    """``ValueError`` naming the sizes when the heads do not split over ``tp_size`` x ``cp_size`` ranks."""
     hk, _, hv, _ = _dims(cfg)
-    if hk % tp_size or hv % tp_size:
+    if hk % (tp_size * cp_size) or hv % (tp_size * cp_size):
+        ranks = f"tp_size={tp_size}" + (f" x cp_size={cp_size}" if cp_size > 1 else "")
         raise ValueError(
             f"linear_num_key_heads={hk} and linear_num_value_heads={hv} must both be divisible by "
-            f"tp_size={tp_size} (the Gated DeltaNet is split over TP by heads)"
+            f"{ranks} (the Gated DeltaNet is split over TP and CP ranks by heads)"
         )
+
+
+def _heads(cfg, ranks: int):
+    """``cfg`` with ``1/ranks`` of the linear key and value heads."""
+    local = copy.copy(cfg)
+    local.linear_num_key_heads = cfg.linear_num_key_heads // ranks
+    local.linear_num_value_heads = cfg.linear_num_value_heads // ranks
+    return local
 
 
 def _slices(cfg, tp_rank: int, tp_size: int) -> dict[str, list[slice]]:
@@ -104,34 +120,97 @@ def unshard_gdn(shards: Sequence[Mapping[str, torch.Tensor]], cfg) -> dict[str, 
     return out
 
 
+class _SumToShare(torch.autograd.Function):
+    """``[T, ...]`` partial on each CP rank -> this rank's zigzag share of the sum over the group;
+    backward: every rank's share of the gradient gathered back to ``[T, ...]`` (each rank's partial
+    output reaches every share). All-reduce, not reduce-scatter: gloo has none."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cu_seqlens: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.cu, ctx.group = cu_seqlens, group
+        total = x.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return cp_split(total, cu_seqlens, dist.get_world_size(group), dist.get_rank(group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return cp_gather(parts, ctx.cu), None, None
+
+
 class ParallelGatedDeltaNet(torch.nn.Module):
     """One Gated DeltaNet layer holding this TP rank's heads: ``forward(hidden [t, H], cu_seqlens)``
-    on one packed row (the same on every rank of ``tp_group``) returns the layer's output ``[t, H]``,
-    summed over the group. Segments never see each other."""
+    returns the layer's output ``[t, H]`` for the same tokens, summed over the heads of every rank.
+    Segments never see each other; ``cu_seqlens`` are the packed row's global boundaries.
 
-    def __init__(self, text_config, layer_idx: int, tp_size: int = 1, tp_group=None, dtype=torch.float32):
+    ``hidden`` is the whole row (the same on every TP rank), or with ``sequence_parallel`` this TP
+    rank's contiguous share of it, or with ``cp_size > 1`` this CP rank's zigzag share
+    (:mod:`areal_npu.data.context_parallel`) of it. The recurrence runs along the whole sequence, so
+    the shares are gathered into the row first -- over TP (Megatron's sequence-parallel all-gather),
+    then over CP -- and the output is summed back onto them (reduce-scatter). The CP ranks of one TP
+    rank hold the same weights (Megatron's CP replicates parameters) but each computes its ``1/cp`` of
+    the heads, sliced from them as TP slices the checkpoint (:func:`shard_gdn`): no compute is
+    repeated, and a weight's gradient arrives from the rank that used it when the engine sums
+    gradients over the data- and context-parallel ranks."""
+
+    def __init__(
+        self,
+        text_config,
+        layer_idx: int,
+        tp_size: int = 1,
+        tp_group=None,
+        dtype=torch.float32,
+        *,
+        sequence_parallel: bool = False,
+        cp_size: int = 1,
+        cp_group=None,
+    ):
         super().__init__()
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
         from areal_npu.compat.transformers import patch_linear_attention_for_packing
+        from areal_npu.train.megatron.runtime import import_megatron
 
-        check_gdn_tp(text_config, tp_size)
+        import_megatron()  # its collectives below (MindSpeed first on the NPU, the CPU shims here)
+        check_gdn_tp(text_config, tp_size, cp_size)
         patch_linear_attention_for_packing()
-        local = copy.copy(text_config)  # this rank's heads
-        local.linear_num_key_heads = text_config.linear_num_key_heads // tp_size
-        local.linear_num_value_heads = text_config.linear_num_value_heads // tp_size
-        self.inner = Qwen3_5GatedDeltaNet(local, layer_idx).to(dtype)
-        self.tp_size, self.tp_group = tp_size, tp_group
+        self.inner = Qwen3_5GatedDeltaNet(_heads(text_config, tp_size), layer_idx).to(dtype)  # this TP rank's
+        self.tp_size, self.tp_group, self.sequence_parallel = tp_size, tp_group, sequence_parallel and tp_size > 1
+        self.cp_size, self.cp_group = cp_size, cp_group
+        if cp_size > 1:  # the function of this CP rank's heads; weights come from ``inner`` (not registered)
+            self._tp_config = _heads(text_config, tp_size)
+            with torch.device("meta"):
+                self.__dict__["_cp_layer"] = Qwen3_5GatedDeltaNet(_heads(text_config, tp_size * cp_size), layer_idx)
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+        from megatron.core.tensor_parallel import mappings
 
-            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)  # backward: sum
+        if self.sequence_parallel:  # backward: reduce-scatter of the heads' partial input gradients
+            hidden = mappings.gather_from_sequence_parallel_region(hidden, True, group=self.tp_group)
+        elif self.tp_size > 1:
+            hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)  # backward: sum
         cu = cu_seqlens.to(device=hidden.device, dtype=torch.int32)
-        out = self.inner(hidden[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu)[0]
-        if self.tp_size > 1:
-            from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+        if self.cp_size > 1:
+            import torch.distributed as dist
 
-            out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+            from areal_npu.train.megatron.attention import _AllGather
+
+            hidden = cp_gather(list(_AllGather.apply(hidden, self.cp_group).unbind(0)), cu.long())
+            rank = dist.get_rank(self.cp_group)
+            weights = shard_gdn(dict(self.inner.named_parameters()), self._tp_config, rank, self.cp_size)
+            out = torch.func.functional_call(
+                self._cp_layer, weights, (hidden[None],), {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+            )[0]
+            out = _SumToShare.apply(out, cu.long(), self.cp_group)
+        else:
+            out = self.inner(hidden[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu)[0]
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
+        if self.tp_size > 1:
+            return mappings.reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         return out

@@ -15,10 +15,14 @@ Every RMSNorm of Qwen3.5 is zero-centred (``(1 + w) x / rms(x)``); Megatron's pl
 On text, Qwen3.5's multimodal rotary sections all see the one position of a token, which is plain
 RoPE over the rotary dims. MoE variants (``qwen3_5_moe``) are not mapped.
 
-Scope, each refused with a sentence by :func:`check_hybrid_layout`: no context parallelism (the
-Gated DeltaNet's state would have to pass from one CP rank's share of a sequence to the next) and no
-sequence parallelism (the layer takes the whole row); TP splits the heads (linear key and value
-heads divisible by ``tp``), pipeline stages split the layers.
+Parallelism: TP splits the Gated DeltaNet's heads, pipeline stages split the layers. Sequence and
+context parallelism hand the layer a share of the row, while its recurrence runs along the whole
+sequence: the layer gathers the row (over TP, then CP), each TP x CP rank computes its
+``1 / (tp cp)`` of the heads on it, and the output is summed back onto the shares
+(:class:`areal_npu.train.megatron.gdn.ParallelGatedDeltaNet`). That moves the row's hidden states
+(``T x H``) through each such layer, as attention's all-gather CP moves keys and values. The linear key
+and value heads must divide by ``tp x cp``; :func:`check_hybrid_layout` refuses other sizes with
+a sentence.
 """
 
 from __future__ import annotations
@@ -31,20 +35,16 @@ __all__ = ["GatedDeltaNetAttention", "check_hybrid_layout", "hybrid_layer_specs"
 
 
 def check_hybrid_layout(shape: GPTShape, tp_size: int, cp_size: int = 1, sequence_parallel: bool = False) -> None:
-    """``ValueError`` naming the setting a Qwen3.5 hybrid cannot run with."""
+    """``ValueError`` naming the sizes a Qwen3.5 hybrid's Gated DeltaNet heads do not split over
+    (``sequence_parallel`` needs nothing more: the layer gathers its TP group's shares)."""
     if not shape.hybrid:
         return
-    if cp_size > 1:
-        raise ValueError(
-            f"cp_size={cp_size}: the Gated DeltaNet layers of Qwen3.5/3.6 would need their recurrent state "
-            "passed between context-parallel ranks, which is not wired; use cp_size 1"
-        )
-    if sequence_parallel:
-        raise ValueError("sequence_parallel with Qwen3.5/3.6: the Gated DeltaNet layers take whole rows")
     hk, _, hv, _, _ = shape.linear_dims
-    if hk % tp_size or hv % tp_size:
+    if hk % (tp_size * cp_size) or hv % (tp_size * cp_size):
+        ranks = f"tp_size={tp_size}" + (f" x cp_size={cp_size}" if cp_size > 1 else "")
         raise ValueError(
-            f"linear_num_key_heads={hk} and linear_num_value_heads={hv} must be divisible by tp_size={tp_size}"
+            f"linear_num_key_heads={hk} and linear_num_value_heads={hv} must be divisible by {ranks} "
+            "(each TP x CP rank computes its share of the Gated DeltaNet heads)"
         )
 
 
@@ -58,16 +58,23 @@ class GatedDeltaNetAttention(torch.nn.Module):
 
         from areal_npu.train.megatron.gdn import ParallelGatedDeltaNet
 
-        tp = config.tensor_model_parallel_size
-        group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-        self.gdn = ParallelGatedDeltaNet(text_config, layer_number - 1, tp, group, dtype=config.params_dtype)
+        tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+        self.gdn = ParallelGatedDeltaNet(
+            text_config,
+            layer_number - 1,
+            tp,
+            ps.get_tensor_model_parallel_group() if tp > 1 else None,
+            dtype=config.params_dtype,
+            sequence_parallel=config.sequence_parallel,
+            cp_size=cp,
+            cp_group=ps.get_context_parallel_group() if cp > 1 else None,
+        )
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_unused):
-        t = hidden_states.shape[0]
-        if packed_seq_params is None:
-            cu = torch.tensor([0, t])
+        if packed_seq_params is None:  # one sequence (bshd, b = 1), the whole of it on every rank
+            cu = torch.tensor([0, hidden_states.shape[0] * (self.gdn.tp_size if self.gdn.sequence_parallel else 1)])
         else:
-            cu = packed_seq_params.cu_seqlens_q
+            cu = packed_seq_params.cu_seqlens_q  # global boundaries
         return self.gdn(hidden_states[:, 0], cu)[:, None], None
 
 

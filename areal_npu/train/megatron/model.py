@@ -10,7 +10,8 @@ What runs where:
   Gated DeltaNet (:mod:`.gdn`: transformers' torch layer, the path the FSDP2 engine takes on the CPU
   and on Ascend). Megatron-Core 0.16.1's own ``GatedDeltaNet`` refuses packed (THD) sequences and
   needs FLA's Triton kernels; MindSpeed's fused NPU kernels are not wired (the torch path runs
-  there, slower). No CP or sequence parallelism for these yet. MoE variants and Qwen3-Next are refused.
+  there, slower). Sequence and context parallelism: the Gated DeltaNet layers gather their rows
+  (:mod:`.hybrid`). MoE variants and Qwen3-Next are refused.
 - Refused everywhere (a sentence each): attention bias, sliding windows, RoPE scaling, MoE.
 
 Recomputation (``train.gradient_checkpointing``, :func:`recompute_fields`): Megatron's own full,

@@ -31,8 +31,11 @@ Megatron-Core 0.16.1's ``MultiTokenPredictionLayer`` has the same blocks (``enor
 Tensor parallelism: the layer is TP-sharded like the decoder (``linear_qkv`` by query groups with
 the gate inside each group, ``eh_proj`` by output rows and gathered by Megatron), the embedding
 lookup and the loss run on the vocabulary shards (:func:`vocab_parallel_embedding`,
-:func:`vocab_parallel_mtp_loss`). Scope: one CP rank (CP would need zigzag MTP labels); joint
-training (``mtp.train`` without ``mtp_only``). Each refused with a sentence.
+:func:`vocab_parallel_mtp_loss`). Context parallelism: the targets (``ids_{t+1}`` to embed,
+``ids_{t+2}`` to predict) are built on the whole packed row, where the next tokens of a CP rank's
+chunk lie on another rank, and then split in the zigzag order of the tokens
+(:func:`mtp_targets`); the layer's attention is the decoder's CP attention. Scope: joint training
+(``mtp.train`` without ``mtp_only``), no pipeline stages. Each refused with a sentence.
 """
 
 from __future__ import annotations
@@ -80,11 +83,9 @@ MTP_RULES: tuple[Rule, ...] = (
 )
 
 
-def check_mtp(
-    mtp_config: MTPConfig, tp_size: int | None = None, cp_size: int | None = None, pp_size: int | None = None
-) -> None:
+def check_mtp(mtp_config: MTPConfig, pp_size: int = 1) -> None:
     """What the Megatron engine's MTP head cannot do yet, refused before any work (naming the key).
-    Any ``tp_size`` works (with or without sequence parallelism); ``cp_size`` and ``pp_size`` must be 1."""
+    Any TP and CP size works (with or without sequence parallelism); ``pp_size`` must be 1."""
     if not mtp_config.enabled:
         return
     mtp_config.validate()
@@ -99,15 +100,10 @@ def check_mtp(
             "the Megatron engine trains the MTP head jointly with the policy only (mtp.train=true, "
             "mtp.mtp_only=false); use train.backend=fsdp2 for a frozen head or MTP-only training",
         )
-    if pp_size is not None and pp_size > 1:
+    if pp_size > 1:
         raise ConfigError(
             "train.megatron.pp_size", f"the Megatron engine's MTP head runs without pipeline stages so far "
             f"(got {pp_size}): it needs the first stage's embedding on the last stage",
-        )  # fmt: skip
-    if cp_size is not None and cp_size > 1:
-        raise ConfigError(
-            "train.megatron.cp_size", f"the Megatron engine's MTP head runs on one CP rank so far (got "
-            f"{cp_size}): CP would need zigzag MTP labels",
         )  # fmt: skip
 
 
@@ -119,13 +115,13 @@ def head_state(lm, mtp, mtp_config: MTPConfig | None, layout) -> dict[str, torch
     if mtp is None and mtp_config is not None and mtp_config.enabled:
         from areal_npu.model.mtp_checkpoint import attach_mtp
 
-        check_mtp(mtp_config, layout.tp_size, layout.cp_size, layout.pp_size)  # before loading anything
+        check_mtp(mtp_config, layout.pp_size)  # before loading anything
         mtp = attach_mtp(lm, mtp_config, getattr(lm.config, "name_or_path", None) or None)
     return {"mtp." + n: p for n, p in mtp.state_dict().items()} if mtp is not None else None
 
 
 def mtp_transformer_config(
-    hf_config, tp_size: int = 1, dtype=torch.float32, cpu_init: bool = True, recompute: bool = False
+    hf_config, tp_size: int = 1, dtype=torch.float32, cpu_init: bool = True, recompute: bool = False, cp_size: int = 1
 ):
     """The decoder's ``TransformerConfig`` plus Qwen3.5's output gate (the MTP layer's attention);
     never sequence-parallel (the engine hands it the gathered hidden states)."""
@@ -134,6 +130,7 @@ def mtp_transformer_config(
     return transformer_config(
         hf_config,
         tp_size=tp_size,
+        cp_size=cp_size,
         dtype=dtype,
         cpu_init=cpu_init,
         recompute=recompute,
@@ -141,7 +138,9 @@ def mtp_transformer_config(
     )
 
 
-def build_mtp_layer(hf_config, tp_size: int = 1, dtype=torch.float32, device=None, recompute: bool = False):
+def build_mtp_layer(
+    hf_config, tp_size: int = 1, dtype=torch.float32, device=None, recompute: bool = False, cp_size: int = 1
+):
     """Megatron's ``MultiTokenPredictionLayer`` with the engine's local layer spec (packed core
     attention) and local norms / column-parallel ``eh_proj``. Needs the parallel state.
     ``recompute``: the layer is recomputed in backward while training (:func:`mtp_forward`)."""
@@ -156,7 +155,7 @@ def build_mtp_layer(hf_config, tp_size: int = 1, dtype=torch.float32, device=Non
     from areal_npu.train.megatron.model import layer_spec
 
     platform = current_platform()
-    cfg = mtp_transformer_config(hf_config, tp_size, dtype, platform.device_type == "cpu", recompute)
+    cfg = mtp_transformer_config(hf_config, tp_size, dtype, platform.device_type == "cpu", recompute, cp_size)
     spec = get_mtp_layer_spec_for_backend(layer_spec(), LocalSpecProvider())
     layer = MultiTokenPredictionLayer(
         config=cfg,
@@ -215,11 +214,12 @@ def mtp_forward(
 
 def mtp_targets(mbs, plan, samples, pad_token_id: int, device, dp_group) -> list[dict]:
     """Per micro-batch the head's depth-1 targets, built as the FSDP2 engine builds them (from the
-    packed row and its token-aligned loss mask), and the global count over the DP group."""
+    whole packed row and its token-aligned loss mask) and then cut to this CP rank's zigzag share,
+    and the global count over the DP group (counted before the cut: the CP ranks share one batch)."""
     import torch.distributed as dist
 
     from areal_npu.data.packed_layout import pack_per_token
-    from areal_npu.model.mtp_targets import build_mtp_targets
+    from areal_npu.model.mtp_targets import build_mtp_targets, split_mtp_targets_for_cp
     from areal_npu.train.dist import reduce_floats
     from areal_npu.train.forward import IGNORE
 
@@ -230,9 +230,11 @@ def mtp_targets(mbs, plan, samples, pad_token_id: int, device, dp_group) -> list
         targets = build_mtp_targets(
             packed.input_ids, 1, packed.cu_seqlens, mask, packed.valid_mask, pad_token_id, IGNORE
         )
+        n_valid = targets.valid_counts()[0]
+        targets = split_mtp_targets_for_cp(targets, packed.cu_seqlens, mb.cp_size, mb.cp_rank)
         targets.embed_ids, targets.labels = targets.embed_ids.to(device), targets.labels.to(device)
-        out.append({"targets": targets})
-    local = [float(sum(a["targets"].valid_counts()[0] for a in out))]
+        out.append({"targets": targets, "n_valid": n_valid})
+    local = [float(sum(a["n_valid"] for a in out))]
     counts = [int(c) for c in reduce_floats(local, dist.ReduceOp.SUM, dp_group)]
     for a in out:
         a["counts"] = counts

@@ -3,7 +3,7 @@
 References: transformers' ``Qwen3_5ForCausalLM`` run on each sequence alone (packed logits); the
 FSDP2 engine, which trains these models already (log-probs, PPO loss, stats, every gradient, the MTP
 head's loss and gradients, weights after clipped optimizer steps); one process for two gloo ranks
-as TP=2 or as two pipeline stages; the published checkpoint the engine was built from (export and
+as TP=2 (also with sequence parallelism and MTP), as two pipeline stages or as CP=2 with MTP; the published checkpoint the engine was built from (export and
 save names, the carried vision tower)."""
 
 import copy
@@ -19,20 +19,28 @@ from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.model.mtp import MTPConfig  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import full_logits, make_samples, megatron_config, ppo_step, tiny_qwen35  # noqa: E402
+from tests.support.megatron_tiny import (  # noqa: E402
+    full_logits,
+    make_samples,
+    megatron_config,
+    ppo_step,
+    ranks_fit,
+    tiny_qwen35,
+)
 
 CAP = 24  # several micro-batches
 OPTIM = dict(lr=1e-2, grad_clip=0.05, eps=1e-3)
 MTP = MTPConfig(enabled=True, train=True, num_depths=1, loss_scale=0.3, lr_scale=0.5)
+FOUR_LINEAR_KEY_HEADS = dict(num_key_value_heads=4)  # the Gated DeltaNet's heads split over TP x CP = 4
 
 
-def _megatron(lm, head=None, tp=1, pp=1, mtp=None, recompute=False):
+def _megatron(lm, head=None, tp=1, pp=1, mtp=None, recompute=False, cp=1, sp=False):
     from areal_npu.train.megatron.config import MegatronLayoutConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
     cfg = megatron_config(packing=PackingConfig(max_tokens_per_mb=CAP), optim=OptimConfig(**OPTIM),
                           gradient_checkpointing=recompute)  # fmt: skip
-    cfg.megatron = MegatronLayoutConfig(tp_size=tp, pp_size=pp)
+    cfg.megatron = MegatronLayoutConfig(tp_size=tp, pp_size=pp, cp_size=cp, sequence_parallel=sp)
     cfg.validate()
     return MegatronEngine.from_hf_model(lm, cfg, head, mtp_config=copy.deepcopy(mtp))
 
@@ -106,22 +114,39 @@ def test_recomputation_gives_the_same_gradients():
     _assert_equal(_step(engine), plain, rtol=1e-6)
 
 
-def _worker(rank, tp, pp, path, init_file):
-    with process_group(rank, 2, f"file://{init_file}"):
-        _, lm, _ = tiny_qwen35()
-        torch.save(_step(_megatron(lm, tp=tp, pp=pp)), f"{path}.{rank}")
+def _worker(rank, layout, mtp, path, init_file):
+    world = layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1)
+    with process_group(rank, world, f"file://{init_file}"):
+        _, lm, head = tiny_qwen35(**layout.pop("model", {}))
+        torch.save(_step(_megatron(lm, head if mtp else None, mtp=mtp, **layout)), f"{path}.{rank}")
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_two_ranks_equal_one_process(tmp_path, tp, pp):
-    mp.start_processes(_worker, args=(tp, pp, str(tmp_path / "out"), str(tmp_path / "rdv")), nprocs=2,
+@pytest.mark.skipif(not ranks_fit(2), reason="two ranks need two accelerators on this machine")
+@pytest.mark.parametrize(
+    "layout, mtp",
+    [(dict(tp=2), None), (dict(pp=2), None), (dict(tp=2, sp=True), MTP), (dict(cp=2), MTP),
+     pytest.param(dict(tp=2, cp=2, sp=True, recompute=True, model=FOUR_LINEAR_KEY_HEADS), MTP,
+                  marks=pytest.mark.skipif(not ranks_fit(4), reason="4 devices"))],
+    ids=["tp2", "pp2", "tp2-sp-mtp", "cp2-mtp", "tp2-cp2-sp-recompute-mtp"],
+)  # fmt: skip
+def test_parallel_ranks_equal_one_process(tmp_path, layout, mtp):
+    """Sequence and context parallelism hand the Gated DeltaNet layers a share of each row (they
+    gather it); with CP the MTP head's targets are cut from the whole row. The last case is the 64K
+    recipe's kind of layout (TP x CP, sequence parallel, recomputation, MTP) on 4 ranks."""
+    model = layout.get("model", {})
+    world = layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1)
+    mp.start_processes(_worker, args=(layout, mtp, str(tmp_path / "out"), str(tmp_path / "rdv")), nprocs=world,
                        join=True, start_method="spawn")  # fmt: skip
     init_distributed()
-    _, lm, _ = tiny_qwen35()
-    one = _step(_megatron(lm))
-    for rank in range(2):
-        _assert_equal(torch.load(tmp_path / f"out.{rank}", weights_only=False), one)
+    _, lm, head = tiny_qwen35(**model)
+    one = _step(_megatron(lm, head if mtp else None, mtp=mtp))
+    for rank in range(world):
+        got = torch.load(tmp_path / f"out.{rank}", weights_only=False)
+        if mtp:
+            for key in ("mtp/loss", "mtp/acc_d1", "mtp/n_d1"):
+                assert got["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
+        _assert_equal(got, one)
 
 
 def test_a_published_checkpoint_exports_and_saves_in_its_layout(tmp_path):
@@ -152,10 +177,10 @@ def test_a_published_checkpoint_exports_and_saves_in_its_layout(tmp_path):
 
 @pytest.mark.parametrize(
     "layout, fragment",
-    [(dict(cp_size=2), "cp_size=2"), (dict(tp_size=2, sequence_parallel=True), "sequence_parallel"),
-     (dict(tp_size=4), "divisible by tp_size=4")],
+    [(dict(tp_size=4), "divisible by tp_size=4"), (dict(tp_size=2, cp_size=2), "tp_size=2 x cp_size=2")],
 )  # fmt: skip
 def test_layouts_a_hybrid_cannot_run_are_refused(layout, fragment):
+    """The tiny hybrid's 2 linear key heads split over 2 ranks, not 4 (TP x CP)."""
     from areal_npu.train.megatron.model import check_layout
 
     config, _, _ = tiny_qwen35(num_key_value_heads=2, num_attention_heads=4)

@@ -1,5 +1,5 @@
-"""The Megatron engine's MTP head on TP=2 with sequence parallelism over two gloo ranks equals one
-process: MTP loss and accuracy, PPO loss, every gradient (policy and ``mtp.*``, HF names), both
+"""The Megatron engine's MTP head on TP=2 with sequence parallelism, and on CP=2 (targets cut from
+the whole row in zigzag order), over two gloo ranks equals one process: MTP loss and accuracy, PPO loss, every gradient (policy and ``mtp.*``, HF names), both
 groups' norms and the weights after an optimizer step. The head's layer is TP-sharded (gated QKV by
 query groups, ``eh_proj`` by rows), its embedding lookup and loss run on the vocabulary shards."""
 
@@ -19,7 +19,7 @@ from areal_npu.train.optim import OptimConfig  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
 
 
-def _run(tp):
+def _run(tp, cp=1):
     from areal_npu.train.megatron.engine import MegatronEngine
 
     config, hf = tiny_qwen3()
@@ -31,7 +31,7 @@ def _run(tp):
             if p.dim() == 1:  # zero-centred norms away from 0
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     cfg = megatron_config(
-        tp, packing=PackingConfig(max_tokens_per_mb=24), optim=OptimConfig(lr=1e-2, grad_clip=0.5, eps=1e-3)
+        tp, cp, packing=PackingConfig(max_tokens_per_mb=24), optim=OptimConfig(lr=1e-2, grad_clip=0.5, eps=1e-3)
     )
     cfg.megatron.sequence_parallel = tp > 1
     mtp = MTPConfig(enabled=True, num_depths=1, loss_scale=0.3, lr_scale=0.5)
@@ -46,9 +46,9 @@ def _run(tp):
     return {"stats": stats, "grads": grads, "mtp_norm": mtp_norm, "weights": dict(engine.full_state_dict())}
 
 
-def _worker(rank, path, init_file):
+def _worker(rank, tp, cp, path, init_file):
     with process_group(rank, 2, f"file://{init_file}"):
-        out = _run(2)
+        out = _run(tp, cp)
         if rank == 0:
             torch.save(out, path)
 
@@ -57,10 +57,11 @@ def _worker(rank, path, init_file):
     current_platform().device_type != "cpu" and current_platform().device_count() < 2,
     reason="two ranks need two accelerators on this machine",
 )
-def test_mtp_on_tp2_with_sequence_parallel_equals_one_process(tmp_path):
+@pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2)], ids=["tp2-sp", "cp2"])
+def test_mtp_on_two_ranks_equals_one_process(tmp_path, tp, cp):
     mp.start_processes(
         _worker,
-        args=(str(tmp_path / "out.pt"), str(tmp_path / "rdv")),
+        args=(tp, cp, str(tmp_path / "out.pt"), str(tmp_path / "rdv")),
         nprocs=2,
         join=True,
         start_method="spawn",

@@ -13,10 +13,9 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 from areal_npu.data.packing import PackingConfig  # noqa: E402
-from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
-from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step, tiny_qwen3  # noqa: E402
+from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step, ranks_fit, tiny_qwen3  # noqa: E402
 
 LAYERS = 4
 CAP = 24  # several micro-batches of different packed lengths
@@ -54,13 +53,8 @@ def _worker(rank, world, tp, path, init_file):
         torch.save(out, f"{path}.{rank}")
 
 
-def _ranks_fit(n: int) -> bool:
-    plat = current_platform()
-    return plat.device_type == "cpu" or plat.device_count() >= n
-
-
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.skipif(not _ranks_fit(4), reason="4 devices"))])
-@pytest.mark.skipif(not _ranks_fit(2), reason="two ranks need two accelerators on this machine")
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.skipif(not ranks_fit(4), reason="4 devices"))])
+@pytest.mark.skipif(not ranks_fit(2), reason="two ranks need two accelerators on this machine")
 def test_two_pipeline_stages_equal_one_process(tmp_path, tp):
     world = 2 * tp
     args = (world, tp, str(tmp_path / "out.pt"), str(tmp_path / "rdv"))
@@ -109,7 +103,7 @@ def test_pipeline_layouts_the_engine_refuses():
     with pytest.raises(ValueError, match="tie_word_embeddings with pp_size=2"):
         check_layout(tied, 1, 2)
     with pytest.raises(ConfigError, match="pp_size"):
-        check_mtp(MTPConfig(enabled=True), 1, 1, 2)
+        check_mtp(MTPConfig(enabled=True), pp_size=2)
 
 
 def test_the_stages_hold_every_weight_once_under_local_layer_numbers():
