@@ -325,6 +325,24 @@ def test_script_text_dry_run_prints_environment_plan_memory_and_step_time(tmp_pa
     assert not any(tmp_path.iterdir())
 
 
+def test_a_worker_node_joins_the_ray_cluster_by_default(tmp_path):
+    """Without LAUNCHER, a node other than 0 starts a Ray worker that joins node 0's head (a
+    recording ``ray`` on PATH stands in for Ray's CLI)."""
+    model, fake = tmp_path / "model", tmp_path / "bin"
+    model.mkdir(), fake.mkdir()
+    (model / "config.json").write_text(MODEL_JSON.read_text())
+    (tmp_path / "tasks.jsonl").write_text("{}\n")
+    (fake / "ray").write_text('#!/bin/sh\necho "ray $*"\n')
+    (fake / "ray").chmod(0o755)
+    env = _script_env(NNODES="2", NODE_RANK="1", MODEL_PATH=str(model), TASKS=str(tmp_path / "tasks.jsonl"),
+                      MASTER_ADDR="10.0.0.1", RAY_PORT="6390")  # fmt: skip
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    out = subprocess.run(["bash", str(RECIPES / "qwen3_6_27b_a3.sh")], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ray start --address=10.0.0.1:6390 --block"
+
+
 def test_script_refuses_what_is_not_built_and_bad_input(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
@@ -332,10 +350,12 @@ def test_script_refuses_what_is_not_built_and_bad_input(tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("{}\n")
     real = {"MODEL_PATH": str(model), "TASKS": str(tasks), "MASTER_ADDR": "10.0.0.1"}
-    out = _script("a3", cwd=tmp_path, NNODES="2", NODE_RANK="1", **real)
+    out = _script("a3", cwd=tmp_path, NNODES="2", NODE_RANK="1", LAUNCHER="torchrun", **real)
     assert out.returncode == 3
     assert "not built" in out.stderr and "--dry-run" in out.stderr and "torchrun" in out.stderr
     assert not any(p.name == "runs" for p in tmp_path.iterdir())
+    out = _script("a3", cwd=tmp_path, NNODES="2", NODE_RANK="1", LAUNCHER="slurm", **real)
+    assert out.returncode == 2 and "LAUNCHER must be ray or torchrun" in out.stderr
     for env, args, words in [
         ({"NNODES": "1"}, ["--dry-run"], "NNODES >= 2"),
         ({"NNODES": "2", "NODE_RANK": "2"}, ["--dry-run"], "NODE_RANK"),

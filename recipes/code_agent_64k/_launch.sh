@@ -35,13 +35,13 @@ Environment:
   HCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME   the network interface between nodes
   AREAL_NPU (areal-npu), PYTHON (python3)  the commands used
 
-  LAUNCHER                ray: start Ray here (node 0: the head, which then runs the Ray launcher;
-                          the others: workers that join it; RAY_PORT: 6379) and run the job on it
+  LAUNCHER (ray)          ray: start Ray here (node 0: the head, which then runs the Ray launcher;
+                          the others: workers that join it; RAY_PORT: 6379) and run the job on it.
+                          torchrun: not built across nodes (areal-npu starts torchrun on one node
+                          only); stops with exit code $EXIT_NOT_BUILT and says so
 
-Not built yet: torchrun across nodes (areal-npu starts torchrun on one node only); without
-LAUNCHER=ray a run without --dry-run stops with exit code $EXIT_NOT_BUILT and says so. The Megatron
-engine builds Qwen3.6's Gated DeltaNet layers with transformers' torch kernels (MindSpeed's fused ones
-are not wired), without sequence or context parallelism; none of it has run on an NPU.
+The Megatron engine builds Qwen3.6's Gated DeltaNet layers with transformers' torch kernels
+(MindSpeed's fused ones are not wired); none of it has run on an NPU.
 EOF
 }
 
@@ -161,7 +161,9 @@ fi
 # ---- a real run ----
 [[ -n ${MODEL_PATH:-} && -f $MODEL_PATH/config.json ]] || die "$EXIT_USAGE" "MODEL_PATH ('${MODEL_PATH:-}') must be a checkpoint directory"
 [[ -n ${TASKS:-} && -f $TASKS ]] || die "$EXIT_USAGE" "TASKS ('${TASKS:-}') must be a JSONL task set"
-if [[ ${LAUNCHER:-} == ray ]]; then
+LAUNCHER=${LAUNCHER:-ray}
+[[ $LAUNCHER == ray || $LAUNCHER == torchrun ]] || die "$EXIT_USAGE" "LAUNCHER must be ray or torchrun; got '$LAUNCHER'"
+if [[ $LAUNCHER == ray ]]; then
   # Ray is the cluster manager: node 0 runs the head and the launcher (areal_npu/placement/ray_launch.py),
   # which plans the job on the cluster and places every trainer rank and engine in a placement group.
   RAY_PORT=${RAY_PORT:-6379}
@@ -191,4 +193,4 @@ fi
 # nodes), the controller on node 0. areal-npu runs torchrun on one node only (--standalone).
 die "$EXIT_NOT_BUILT" "not started: this job spans $NNODES nodes ($TRAIN_NODES training, $((NNODES - TRAIN_NODES)) \
 running rollout engines); \`areal-npu train\` starts its trainer ranks with torchrun on one node only, a multi-node \
-torchrun launch is not built: use LAUNCHER=ray. \`$(basename "$0") --dry-run\` prints the whole plan."
+torchrun launch is not built: use LAUNCHER=ray (the default). \`$(basename "$0") --dry-run\` prints the whole plan."

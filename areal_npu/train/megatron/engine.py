@@ -29,8 +29,8 @@ Megatron's DistributedOptimizer: :mod:`.precision` says why).
 Recomputation (``train.gradient_checkpointing``) is Megatron's own (:func:`.model.recompute_fields`).
 Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config`,
 :func:`areal_npu.train.megatron.mtp.check_mtp` or the constructor with a sentence): the MTP head or
-tied embeddings with pipeline stages, interleaved (virtual) pipeline stages, sequence parallelism
-together with CP. Qwen3.5 hybrids run every layout (:mod:`.hybrid`).
+tied embeddings with pipeline stages, interleaved (virtual) pipeline stages. Qwen3.5 hybrids run
+every layout whose TP x CP ranks divide their Gated DeltaNet heads (:mod:`.hybrid`).
 """
 
 from __future__ import annotations

@@ -123,7 +123,9 @@ def unshard_gdn(shards: Sequence[Mapping[str, torch.Tensor]], cfg) -> dict[str, 
 class _SumToShare(torch.autograd.Function):
     """``[T, ...]`` partial on each CP rank -> this rank's zigzag share of the sum over the group;
     backward: every rank's share of the gradient gathered back to ``[T, ...]`` (each rank's partial
-    output reaches every share). All-reduce, not reduce-scatter: gloo has none."""
+    output reaches every share). An all-reduce and then the share: a zigzag share is not the one
+    contiguous block a reduce-scatter hands each rank (a reorder first would halve the bytes moved;
+    not done)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cu_seqlens: torch.Tensor, group) -> torch.Tensor:
