@@ -121,28 +121,30 @@ def unshard_gdn(shards: Sequence[Mapping[str, torch.Tensor]], cfg) -> dict[str, 
 
 
 class _SumToShare(torch.autograd.Function):
-    """``[T, ...]`` partial on each CP rank -> this rank's zigzag share of the sum over the group;
-    backward: every rank's share of the gradient gathered back to ``[T, ...]`` (each rank's partial
-    output reaches every share). An all-reduce and then the share: a zigzag share is not the one
-    contiguous block a reduce-scatter hands each rank (a reorder first would halve the bytes moved;
-    not done)."""
+    """``[T, ...]`` partial on each CP rank -> this rank's zigzag share of the sum over the group:
+    the rows put in rank order (every rank's share one after the other), then a reduce-scatter;
+    backward: an all-gather of the shares' gradients, put back in row order (each rank's partial
+    output reaches every share)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cu_seqlens: torch.Tensor, group) -> torch.Tensor:
         import torch.distributed as dist
 
+        cp = dist.get_world_size(group)
         ctx.cu, ctx.group = cu_seqlens, group
-        total = x.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        return cp_split(total, cu_seqlens, dist.get_world_size(group), dist.get_rank(group))
+        by_rank = torch.cat([cp_split(x, cu_seqlens, cp, r) for r in range(cp)]).contiguous()
+        share = x.new_empty((x.shape[0] // cp, *x.shape[1:]))
+        dist.reduce_scatter_tensor(share, by_rank, group=group)
+        return share
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         import torch.distributed as dist
 
-        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return cp_gather(parts, ctx.cu), None, None
+        cp = dist.get_world_size(ctx.group)
+        gathered = grad.new_empty((cp * grad.shape[0], *grad.shape[1:]))
+        dist.all_gather_into_tensor(gathered, grad.contiguous(), group=ctx.group)
+        return cp_gather(list(gathered.chunk(cp)), ctx.cu), None, None
 
 
 class ParallelGatedDeltaNet(torch.nn.Module):
