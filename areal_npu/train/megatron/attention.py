@@ -10,8 +10,8 @@ NPU, flash-attn / torch varlen on CUDA, exact per-segment SDPA on the CPU).
 Context parallelism (``cp > 1``), zigzag layout (:mod:`areal_npu.data.context_parallel`): rank ``r``
 holds chunks ``r`` and ``2cp-1-r`` of every segment; ``packed_seq_params.cu_seqlens_q_padded`` is the
 *global* boundary list (Megatron's convention: RoPE divides it by ``cp`` itself). Keys and values
-are all-gathered over the CP group (backward: all-reduce of the gathered gradient, then each rank
-keeps its part -- gloo has no reduce-scatter), put back in global order, and each local query at
+are all-gathered over the CP group (backward: a reduce-scatter of the gathered gradient), put back
+in global order, and each local query at
 global index ``p`` of segment ``[a, b)`` attends keys ``a .. p``:
 
     out[t] = sum_{u in [a, p_t]} softmax_u(scale * q_t . k_u) v_u
@@ -35,20 +35,22 @@ __all__ = ["PackedCoreAttention", "zigzag_causal_attention"]
 
 
 class _AllGather(torch.autograd.Function):
-    """``[t, ...]`` on each rank -> ``[world, t, ...]``; backward: sum over ranks, keep own part."""
+    """``[t, ...]`` on each rank -> ``[world, t, ...]``; backward: a reduce-scatter (each rank gets
+    the sum over ranks of its own part's gradient)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
+        world = dist.get_world_size(group)
+        out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # flat along dim 0, as gloo wants it
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out.view(world, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[dist.get_rank(ctx.group)], None
+        own = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(own, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=ctx.group)
+        return own, None
 
 
 def zigzag_causal_attention(
