@@ -65,8 +65,9 @@ EOF
 # the same start-up hook as .venv (areal_npu/compat/vllm/cpu.py)
 "$venv/bin/python" -m areal_npu.compat.vllm.cpu install
 "$venv/bin/python" -c "
-import vllm._C, vllm.platforms as p, torch
+import vllm.platforms as p, torch
 assert p.current_platform.is_cpu(), p.current_platform
+p.current_platform.import_kernels()  # the build this CPU runs (vllm._C needs AVX-512 + BF16)
 print('[setup-vllm023] vllm', __import__('vllm').__version__, 'torch', torch.__version__, 'platform cpu')
 "
 rm -f "$venv"/.areal-npu-setup-*

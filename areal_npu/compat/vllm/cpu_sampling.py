@@ -50,9 +50,11 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
 
 def upstream_expand_is_broken() -> bool:
     """True while vLLM's CPU ``_expand_kernel_impl`` leaves a float output unwritten."""
-    import vllm._C  # noqa: F401 - registers torch.ops._C
     from vllm.utils import cpu_triton_utils as cpu_tl
 
+    from areal_npu.compat.vllm import load_cpu_kernels
+
+    load_cpu_kernels()  # registers torch.ops._C
     out = torch.full((3,), -7.0)
     cpu_tl._expand_kernel_impl(out, torch.tensor([0.5, 2.0]), torch.tensor([1, 3]), 0, 1)
     return not torch.equal(out, torch.tensor([0.5, 2.0, 2.0]))

@@ -38,8 +38,11 @@ def engine_args(device: str, extra_engine_args: dict) -> list[str]:
 def upstream_refuses_bf16_state() -> bool:
     """True while the CPU GDN prefill kernel refuses a bf16 recurrent state (float32 works)."""
     import torch
-    import vllm._C  # noqa: F401 - registers torch.ops._C
     from vllm import _custom_ops as ops
+
+    from areal_npu.compat.vllm import load_cpu_kernels
+
+    load_cpu_kernels()  # registers torch.ops._C
 
     def prefill(state_dtype):
         t, h, d = 4, 1, 128
