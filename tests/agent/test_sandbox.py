@@ -195,8 +195,10 @@ def test_forging_the_result_protocol():
     fake = '{"results":[{"ok":3},{"ok":5},{"ok":7}],"reason":"","layers":[]}'
     printer = f"    print({fake!r})\n    print('passed 3/3')\n    return 0"
     assert _run(printer).reason == "wrong_answer"
+    # every descriptor the child may hold: the result file keeps the parent's number (pass_fds), which
+    # in a long test session with many open files lies above the first few dozen
     writer = (
-        "    import os\n    for fd in range(3, 64):\n        try:\n"
+        "    import os\n    for fd in range(3, 1 << 16):\n        try:\n"
         f"            os.write(fd, b'0' * 32 + b' ' + {fake.encode()!r} + b'\\n')\n"
         "        except OSError:\n            pass\n    return 0"
     )
