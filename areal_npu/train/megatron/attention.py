@@ -11,8 +11,8 @@ Context parallelism (``cp > 1``), zigzag layout (:mod:`areal_npu.data.context_pa
 holds chunks ``r`` and ``2cp-1-r`` of every segment; ``packed_seq_params.cu_seqlens_q_padded`` is the
 *global* boundary list (Megatron's convention: RoPE divides it by ``cp`` itself). Keys and values
 are all-gathered over the CP group (backward: a reduce-scatter of the gathered gradient), put back
-in global order, and each local query at
-global index ``p`` of segment ``[a, b)`` attends keys ``a .. p``:
+in global order, and each local query at global index ``p`` of segment ``[a, b)`` attends keys
+``a .. p``:
 
     out[t] = sum_{u in [a, p_t]} softmax_u(scale * q_t . k_u) v_u
 
