@@ -27,7 +27,7 @@ fi
 
 key="$(cat pyproject.toml scripts/setup_vllm023.sh | sha256sum | cut -c1-16)"
 stamp="$venv/.areal-npu-setup-$key"
-if [ -f "$stamp" ] && "$venv/bin/python" -c "import areal_npu, vllm._C, torch" 2>/dev/null; then
+if [ -f "$stamp" ] && "$venv/bin/python" -c "import areal_npu, vllm, torch" 2>/dev/null; then
   echo "[setup-vllm023] .venv-vllm023 is up to date"
   exit 0
 fi

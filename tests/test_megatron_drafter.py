@@ -262,8 +262,11 @@ def test_vllm_drafts_with_the_head_the_megatron_engine_trained_and_pushed(tmp_pa
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.megatron
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.distributed)], ids=["tp1", "tp2"])
-def test_areal_npu_train_drafts_with_the_megatron_trained_head(tmp_path, tp):
+@pytest.mark.distributed
+def test_areal_npu_train_drafts_with_the_megatron_trained_head(tmp_path):
+    """At TP 2: `areal-npu train` hands over to torchrun (2 processes; rank 0 starts the engine). One
+    rank training the MTP head with Megatron in the loop is the code-agent recipe's e2e test; PP 2 is
+    ``test_multirank_megatron``'s."""
     pytest.importorskip("megatron.core")
     from tests.test_multirank_run import _engines
 
@@ -273,14 +276,14 @@ def test_areal_npu_train_drafts_with_the_megatron_trained_head(tmp_path, tp):
                  "mtp.init_new_head=true", "rollout.spec.method=qwen3_5_mtp", "rollout.spec.num_speculative_tokens=2",
                  "rollout.dtype=float32", "warmstart.steps=2", "warmstart.batch_size=8", "workflow.group_size=4",
                  "controller.batch_groups=2", "controller.checkpoint_every=1", "controller.eval_every=0",
-                 "controller.max_staleness=0", "controller.steps=2", f"train.megatron.tp_size={tp}"]  # fmt: skip
-    # tp 2: `areal-npu train` hands over to torchrun (2 processes); rank 0 starts the engine
+                 "controller.max_staleness=0", "controller.steps=2", "train.megatron.tp_size=2"]  # fmt: skip
     command = [sys.executable, "-m", "areal_npu.cli", "train", str(ROOT / "recipes" / "cpu" / "quickstart.yaml")]  # fmt: skip
     done = subprocess.run(command + overrides, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "warm start 2/2: sft/nll" in done.stdout and '{"rank": 1, "stopped_by": null}' in done.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and [r["train/version"] for r in rows] == [1.0, 2.0]
-    # max_staleness=0: vLLM's behaviour log-probs are the trainer's proximal ones only if the push was exact
+    # max_staleness=0: vLLM's behaviour log-probs are the TP=2 trainer's proximal ones only if the push was exact
     assert all(r["ppo/version_lag/max"] == 0 for r in rows), rows
     assert all(abs(r["ppo/behave_imp_weight/mean"] - 1.0) < 1e-3 for r in rows), rows
     assert all(r["rollout/spec_drafts"] > 0 and r["rollout/spec_k"] == 2 for r in rows), rows
@@ -290,6 +293,7 @@ def test_areal_npu_train_drafts_with_the_megatron_trained_head(tmp_path, tp):
     assert served["architectures"] == ["Qwen3_5ForCausalLM"]
     step = run_dir / "checkpoints" / "step_2"
     assert json.loads((step / "config.json").read_text())["model_type"] == "qwen3"
+    assert {p.name for p in step.glob("optim_*.pt")} == {"optim_tp0_dp0.pt", "optim_tp1_dp0.pt"}  # the TP shards
     from areal_npu.testing.synthetic import load_tensors
 
     heads = [{n: t for n, t in load_tensors(d).items() if n.startswith("mtp.")} for d in (run_dir / "served" / "drafter", step)]  # fmt: skip

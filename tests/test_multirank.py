@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from areal_npu import names
 from areal_npu.train.ranks import shard_indices
+from tests.support.ranks import start_processes
 
 STEPS = 3
 #: the step stats that are global (reduced over ranks); packing/* and timings are per rank
@@ -173,8 +173,8 @@ def _run(tmp_path, name, world, mode=None, worker=_worker, timeout_s=240):
     """``worker(rank, world, init_file, out_dir, mode)`` in ``world`` spawned processes; (out_dir, exit codes)."""
     out = tmp_path / name
     out.mkdir()
-    context = mp.start_processes(worker, args=(world, str(tmp_path / f"{name}.rdv"), out, mode), nprocs=world,
-                                 join=False, start_method="spawn")  # fmt: skip
+    context = start_processes(worker, args=(world, str(tmp_path / f"{name}.rdv"), out, mode), nprocs=world,
+                                 join=False)  # fmt: skip
     for proc in context.processes:  # a hang fails the test here instead of stalling CI
         proc.join(timeout_s)
     alive = [p.pid for p in context.processes if p.is_alive()]

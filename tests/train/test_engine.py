@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from areal_npu.algo.guard import NonFiniteError
 from areal_npu.data.packing import PackingConfig
@@ -20,6 +19,7 @@ from areal_npu.train.dist import init_distributed, process_group
 from areal_npu.train.fsdp2 import FSDPEngine
 from areal_npu.train.losses import PPOLoss, SFTLoss
 from areal_npu.train.optim import OptimConfig
+from tests.support.ranks import start_processes
 
 TINY = TinyModelConfig(
     hidden_size=64,
@@ -206,12 +206,11 @@ def _two_ranks_fit() -> bool:
 @pytest.mark.skipif(not _two_ranks_fit(), reason="two ranks need two accelerators on this machine")
 def test_two_gloo_ranks_equal_one_process(tmp_path):
     samples = make_samples(6)
-    mp.start_processes(
+    start_processes(
         _two_rank_worker,
         args=(str(tmp_path / "out.pt"), samples, str(tmp_path / "rdv")),
         nprocs=2,
         join=True,
-        start_method="spawn",
     )
     engine, _ = make_engine(cap=24, adam_eps=ADAM_EPS)
     stats, grads, weights = _ppo_step(engine, samples)

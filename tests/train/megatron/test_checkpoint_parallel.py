@@ -10,12 +10,12 @@ whatever the TP or pipeline layout; a resume at another ``tp_size`` or ``pp_size
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 from areal_npu.platform import current_platform  # noqa: E402
+from tests.support.ranks import start_processes  # noqa: E402
 
 LAYOUTS = {"tp2": (2, 1, 1), "dp2": (1, 2, 1), "pp2": (1, 1, 2)}  # (tp, dp, pp) on 2 ranks
 
@@ -75,8 +75,8 @@ def _worker(rank, world, init_file, out_dir, phase, layout):
 
 def _spawn(phase, layout, out_dir, timeout_s=300):
     """``_worker`` on 2 spawned ranks; a rank left waiting fails the test instead of hanging it."""
-    ctx = mp.start_processes(_worker, args=(2, str(out_dir / f"{phase}.rdv"), str(out_dir), phase, layout),
-                             nprocs=2, join=False, start_method="spawn")  # fmt: skip
+    ctx = start_processes(_worker, args=(2, str(out_dir / f"{phase}.rdv"), str(out_dir), phase, layout),
+                             nprocs=2, join=False)  # fmt: skip
     for proc in ctx.processes:
         proc.join(timeout_s)
     alive = [p.pid for p in ctx.processes if p.is_alive()]

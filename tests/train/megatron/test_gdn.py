@@ -6,13 +6,13 @@ more) and TP = 2 x CP = 2 with sequence parallelism."""
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron]
 
 from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import process_group  # noqa: E402
+from tests.support.ranks import start_processes  # noqa: E402
 
 SEGMENTS = (5, 9, 3)  # one packed row; each segment must start from a zero state
 CP_SEGMENTS = (8, 12, 4)  # multiples of 2 x cp (the packer pads them so)
@@ -108,8 +108,8 @@ def test_tp_and_cp_ranks_equal_the_layer_with_every_head(tmp_path, tp, cp, sp):
     from areal_npu.train.megatron.gdn import TP_PARTIAL, unshard_gdn
 
     world = tp * cp
-    mp.start_processes(_worker, args=(tp, cp, sp, str(tmp_path / "out"), str(tmp_path / "rdv")), nprocs=world,
-                       join=True, start_method="spawn")  # fmt: skip
+    start_processes(_worker, args=(tp, cp, sp, str(tmp_path / "out"), str(tmp_path / "rdv")), nprocs=world,
+                       join=True)  # fmt: skip
     # float64; the sums over ranks add in another order than over every head at once
     ranks = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in range(world)]
     _, hidden, _, out, x_grad, grads = _reference(CP_SEGMENTS)

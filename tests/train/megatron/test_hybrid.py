@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
@@ -27,6 +26,7 @@ from tests.support.megatron_tiny import (  # noqa: E402
     ranks_fit,
     tiny_qwen35,
 )
+from tests.support.ranks import start_processes  # noqa: E402
 
 CAP = 24  # several micro-batches
 OPTIM = dict(lr=1e-2, grad_clip=0.05, eps=1e-3)
@@ -136,8 +136,8 @@ def test_parallel_ranks_equal_one_process(tmp_path, layout, mtp):
     recipe's kind of layout (TP x CP, sequence parallel, recomputation, MTP) on 4 ranks."""
     model = layout.get("model", {})
     world = layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1)
-    mp.start_processes(_worker, args=(layout, mtp, str(tmp_path / "out"), str(tmp_path / "rdv")), nprocs=world,
-                       join=True, start_method="spawn")  # fmt: skip
+    start_processes(_worker, args=(layout, mtp, str(tmp_path / "out"), str(tmp_path / "rdv")), nprocs=world,
+                       join=True)  # fmt: skip
     init_distributed()
     _, lm, head = tiny_qwen35(**model)
     one = _step(_megatron(lm, head if mtp else None, mtp=mtp))

@@ -5,7 +5,6 @@ query groups, ``eh_proj`` by rows), its embedding lookup and loss run on the voc
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
@@ -17,6 +16,7 @@ from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
+from tests.support.ranks import start_processes  # noqa: E402
 
 
 def _run(tp, cp=1):
@@ -59,12 +59,11 @@ def _worker(rank, tp, cp, path, init_file):
 )
 @pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2)], ids=["tp2-sp", "cp2"])
 def test_mtp_on_two_ranks_equals_one_process(tmp_path, tp, cp):
-    mp.start_processes(
+    start_processes(
         _worker,
         args=(tp, cp, str(tmp_path / "out.pt"), str(tmp_path / "rdv")),
         nprocs=2,
         join=True,
-        start_method="spawn",
     )
     two = torch.load(tmp_path / "out.pt", weights_only=False)
     init_distributed()

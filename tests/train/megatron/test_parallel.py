@@ -9,7 +9,6 @@ parallelism and TP beyond the KV heads (gloo's reduce-scatter, torch >= 2.13): `
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
@@ -19,6 +18,7 @@ from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step_outputs, tiny_qwen3  # noqa: E402
+from tests.support.ranks import start_processes  # noqa: E402
 
 CAP = 24
 ADAM_EPS = 1e-3
@@ -89,12 +89,11 @@ def _two_ranks_fit() -> bool:
 @pytest.mark.skipif(not _two_ranks_fit(), reason="two ranks need two accelerators on this machine")
 @pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "cp2", "dp2"])
 def test_two_gloo_ranks_equal_one_process(tmp_path, tp, cp):
-    mp.start_processes(
+    start_processes(
         _worker,
         args=(tp, cp, str(tmp_path / "out.pt"), str(tmp_path / "rdv")),
         nprocs=2,
         join=True,
-        start_method="spawn",
     )
     two = torch.load(tmp_path / "out.pt", weights_only=False)
     init_distributed()

@@ -7,7 +7,6 @@ split (first stage: the embedding and the first half of the layers; last: the re
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
@@ -16,6 +15,7 @@ from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step, ranks_fit, tiny_qwen3  # noqa: E402
+from tests.support.ranks import start_processes  # noqa: E402
 
 LAYERS = 4
 CAP = 24  # several micro-batches of different packed lengths
@@ -58,7 +58,7 @@ def _worker(rank, world, tp, path, init_file):
 def test_two_pipeline_stages_equal_one_process(tmp_path, tp):
     world = 2 * tp
     args = (world, tp, str(tmp_path / "out.pt"), str(tmp_path / "rdv"))
-    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
+    start_processes(_worker, args=args, nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"out.pt.{r}", weights_only=False) for r in range(world)]
     init_distributed()
     one = _outputs(_engine(1))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
@@ -24,6 +23,7 @@ from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.losses import SFTLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
+from tests.support.ranks import start_processes  # noqa: E402
 
 two_ranks = pytest.mark.skipif(
     current_platform().device_type != "cpu" and current_platform().device_count() < 2,
@@ -164,8 +164,8 @@ def _dp_worker(rank, out, init_file):
 @two_ranks
 def test_two_dp_ranks_with_sharded_optimizer_state_equal_one_process(tmp_path):
     out = str(tmp_path / "out.pt")
-    mp.start_processes(
-        _dp_worker, args=(out, str(tmp_path / "rdv")), nprocs=2, join=True, start_method="spawn"
+    start_processes(
+        _dp_worker, args=(out, str(tmp_path / "rdv")), nprocs=2, join=True
     )
     two = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     init_distributed()
@@ -207,8 +207,8 @@ def test_resume_of_sharded_bf16_state_continues_exactly_and_reshards(tmp_path):
     """dp = 2, bf16, sharded moments: save -> resume -> step is bit-equal to the uninterrupted step;
     the same checkpoint resumed by one process holds the two ranks' slices joined."""
     root = tmp_path / "ckpt"
-    mp.start_processes(
-        _resume_worker, args=(str(root), str(tmp_path / "rdv")), nprocs=2, join=True, start_method="spawn"
+    start_processes(
+        _resume_worker, args=(str(root), str(tmp_path / "rdv")), nprocs=2, join=True
     )
     outs = [torch.load(root / f"out.{r}", weights_only=False) for r in range(2)]
     for out in outs:
@@ -247,8 +247,8 @@ def test_bf16_on_tp2_equals_one_rank_within_bf16_error(tmp_path):
     """TP = 2 (the per-head q/k norms' partial gradients all-reduced in fp32) x DP = 1 in bf16, two
     steps with the MTP head: every tensor's update within bf16 error of one rank's (5% in norm)."""
     out = tmp_path / "out.pt"
-    mp.start_processes(
-        _tp_worker, args=(str(out), str(tmp_path / "rdv")), nprocs=2, join=True, start_method="spawn"
+    start_processes(
+        _tp_worker, args=(str(out), str(tmp_path / "rdv")), nprocs=2, join=True
     )
     two = torch.load(out, weights_only=False)
     init_distributed()

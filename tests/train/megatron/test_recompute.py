@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
@@ -23,6 +22,7 @@ from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
+from tests.support.ranks import start_processes  # noqa: E402
 
 CAP = 64  # several of make_samples' sequences (7 .. 21 tokens) share each packed micro-batch
 MTP = MTPConfig(enabled=True, train=True, num_depths=1, loss_scale=0.3, lr_scale=0.5)
@@ -170,12 +170,11 @@ def _worker(rank, path, init_file):
     reason="two ranks need two accelerators on this machine",
 )
 def test_tp2_sequence_parallel_with_recomputation_equals_one_rank_without(tmp_path):
-    mp.start_processes(
+    start_processes(
         _worker,
         args=(str(tmp_path / "out.pt"), str(tmp_path / "rdv")),
         nprocs=2,
         join=True,
-        start_method="spawn",
     )
     two = torch.load(tmp_path / "out.pt", weights_only=False)
     init_distributed()

@@ -18,7 +18,6 @@ vocabulary-parallel head.
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
@@ -28,6 +27,7 @@ from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step_outputs, tiny_qwen3  # noqa: E402
+from tests.support.ranks import start_processes  # noqa: E402
 
 ONE_KV_HEAD = dict(num_attention_heads=4, num_key_value_heads=1)
 
@@ -84,12 +84,11 @@ def test_layout_check_accepts_tp_a_multiple_of_kv_heads():
     reason="two ranks need two accelerators on this machine",
 )
 def test_tp2_with_one_kv_head_and_sequence_parallel_equals_one_process(tmp_path):
-    mp.start_processes(
+    start_processes(
         _worker,
         args=(str(tmp_path / "out.pt"), str(tmp_path / "rdv")),
         nprocs=2,
         join=True,
-        start_method="spawn",
     )
     two = torch.load(tmp_path / "out.pt", weights_only=False)
     init_distributed()
