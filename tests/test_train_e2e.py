@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.procs import alive
+from tests.support.procs import alive, sigint_default
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
@@ -119,8 +119,9 @@ def test_ctrl_c_stops_everything_and_keeps_what_was_logged(tmp_path):
                  *TEXT_LAYOUT]  # fmt: skip
     log = open(tmp_path / "log", "w")
     proc = subprocess.Popen(
-        _cli() + ["train", recipe] + overrides, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path
-    )
+        _cli() + ["train", recipe] + overrides, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        preexec_fn=sigint_default,  # as a terminal's job gets it, however pytest was started
+    )  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):

@@ -124,7 +124,9 @@ def _install_handlers() -> None:
     """atexit + SIGTERM/SIGINT: kill every engine group, then let the previous handler run.
 
     Signal handlers can only be set from the main thread; a start from another thread installs
-    them at the next start from the main thread (atexit covers the rest).
+    them at the next start from the main thread (atexit covers the rest). A signal this process
+    ignores stays ignored: a shell starts background jobs (``cmd &``, nohup) with SIGINT ignored,
+    and killing the engines on it would only make the loop restart them and go on.
     """
     if not _INSTALLED["atexit"]:
         atexit.register(_kill_all_live)
@@ -134,6 +136,8 @@ def _install_handlers() -> None:
     _INSTALLED["signals"] = True
     for signum in (signal.SIGTERM, signal.SIGINT):
         previous = signal.getsignal(signum)
+        if previous == signal.SIG_IGN:
+            continue
 
         def handler(sig, frame, previous=previous):
             _kill_all_live()

@@ -15,6 +15,15 @@ import pytest
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.launcher import EngineProcess, EngineStartError
 
+# (the drivers below import this file by path, without the ``tests`` package: no import from it here)
+
+
+def sigint_default() -> None:
+    """``preexec_fn``: take SIGINT as a terminal's job does (a shell's background job, e.g. pytest
+    under ``cmd &``, starts with it ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 # a stand-in engine: spawns a grandchild (like vLLM's engine core), prints, then serves or not
 FAKE = textwrap.dedent(
     """
@@ -115,7 +124,8 @@ DRIVER = textwrap.dedent(
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_no_orphans_when_the_parent_is_interrupted(tmp_path, sig):
     code = DRIVER.format(tests=os.path.dirname(__file__), tmp=str(tmp_path))
-    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=sigint_default)  # fmt: skip
     try:
         pgid = int(driver.stdout.readline())
         os.killpg(pgid, 0)  # engine group up
@@ -124,6 +134,25 @@ def test_no_orphans_when_the_parent_is_interrupted(tmp_path, sig):
         assert group_gone(pgid, wait=10)
     finally:
         driver.kill()
+
+
+def test_a_signal_the_trainer_ignores_stays_ignored():
+    """Started with SIGINT ignored (a shell's background job, nohup), the trainer keeps ignoring it:
+    a handler that killed the engines on it would only make the loop restart them and go on."""
+    code = textwrap.dedent(
+        """
+        import signal
+        from areal_npu.rollout import launcher
+        launcher._install_handlers()
+        print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN, signal.getsignal(signal.SIGTERM) != signal.SIG_DFL)
+        """
+    )
+    ignoring = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    assert ignoring.stdout.split() == ["True", "True"]  # SIGINT left ignored, SIGTERM still hooked
+    taking = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            preexec_fn=sigint_default)  # fmt: skip
+    assert taking.stdout.split() == ["False", "True"]  # a terminal's job: both hooked
 
 
 @pytest.mark.parametrize(("engines", "cores"), [(1, 2), (2, 2), (1, 16), (2, 16), (3, 4), (4, 4)])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import psutil
 
 GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
@@ -29,3 +31,9 @@ def _existing(pids):
             yield psutil.Process(pid)
         except psutil.NoSuchProcess:
             pass
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` for a child that must take Ctrl-C as a terminal's job does: a shell starts
+    background jobs (pytest under ``cmd &``, say) with SIGINT ignored, and children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
