@@ -16,7 +16,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 python_bin="${PYTHON:-python3}"
 venv="$root/.venv-vllm023"
-pip_quiet=(--quiet --disable-pip-version-check)
+# --no-compile: scripts/test.sh runs this beside the main suite; byte-compiling ~6 GB of packages
+# would take CPU from the tests, and the leg imports a small part of them (compiled on first import).
+pip_quiet=(--quiet --disable-pip-version-check --no-compile)
 vllm_version="0.23.0"
 torch_pins=("torch==2.11.0" "torchvision==0.26.0")
 

@@ -2,10 +2,15 @@
 through the broadcast transport it names (the engine counts the updates committed by broadcast), and
 the run's engine secret -- which reached the engines, or nothing would have run -- is in no
 process's command line, in no file under the run directory (``config.yaml``, metrics, engine logs,
-checkpoints) and not in the trainer's output."""
+checkpoints) and not in the trainer's output.
+
+The run is then stopped with Ctrl-C (SIGINT) after three logged steps, as a user stops it: it exits
+non-zero, no engine process outlives it, and the steps it logged are kept, each once, in order."""
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
 import time
@@ -32,9 +37,12 @@ def _servers(run_dir: Path) -> list[psutil.Process]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_the_secret_is_not_on_any_command_line_nor_under_the_run_directory(tmp_path):
+def test_the_secret_is_nowhere_readable_and_ctrl_c_stops_everything_keeping_the_log(tmp_path):
+    from tests.support.procs import sigint_default
+
     run_dir = tmp_path / "run"
-    overrides = [f"run_dir={run_dir}", "warmstart.steps=2", "controller.steps=3", "controller.eval_every=0",
+    metrics = run_dir / "metrics.jsonl"
+    overrides = [f"run_dir={run_dir}", "warmstart.steps=2", "controller.steps=50", "controller.eval_every=0",
                  "controller.checkpoint_every=1", "controller.batch_groups=2", "rollout.weight_transport=gloo",
                  *TEXT_LAYOUT]  # fmt: skip
     log_path = tmp_path / "train.log"
@@ -42,11 +50,16 @@ def test_the_secret_is_not_on_any_command_line_nor_under_the_run_directory(tmp_p
         proc = subprocess.Popen(
             [sys.executable, "-m", "areal_npu.cli", "train", str(ROOT / "recipes/cpu/quickstart.yaml"), *overrides],
             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+            preexec_fn=sigint_default,  # as a terminal's job gets it, however pytest was started
         )  # fmt: skip
         secret, cmdlines, committed = None, [], {}
         deadline = time.monotonic() + 900
         while proc.poll() is None:
             assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+            if metrics.exists() and metrics.read_text().count("\n") >= 3:
+                proc.send_signal(signal.SIGINT)  # Ctrl-C
+                proc.wait(120)
+                break
             for server in _servers(run_dir):
                 try:
                     environ = server.environ()  # the same user may read it; others may not
@@ -57,7 +70,13 @@ def test_the_secret_is_not_on_any_command_line_nor_under_the_run_directory(tmp_p
                 secret = secret or environ.get("AREAL_ENGINE_SECRET")
                 committed = _committed(server, secret) or committed
             time.sleep(0.5)
-    assert proc.returncode == 0, log_path.read_text()[-4000:]
+    assert proc.returncode not in (0, None), log_path.read_text()[-4000:]  # interrupted, not finished
+    deadline = time.monotonic() + 30
+    while _servers(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _servers(run_dir), "engine processes survived Ctrl-C"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 3
     assert secret and len(secret) >= 40, "no engine server seen with its secret"
     # every step's weights went by the broadcast (3 steps; the last read may miss the last one)
     assert committed.get("broadcast", 0) >= 2 and committed.get("rpc") == 0, committed
