@@ -2,7 +2,8 @@
 # Set up .venv (if needed) and run the whole test suite this machine can run, plus the linters, then
 # the model tests again with the lowest supported transformers, then the rollout tests again on
 # vLLM 0.23 (the images' version). Extra arguments go to the first pytest run, e.g.
-# `bash scripts/test.sh -m "not slow"`.
+# `bash scripts/test.sh -m "not slow"`. AREAL_FULL=1 also runs the `full`-marked tests: six long
+# end-to-end runs whose parts other tests cover, left out of CI's 90 minutes (~12 min on 2 cores).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -137,6 +137,7 @@ class RecordingTrainer:
         return self.inner.train_step(samples, loss, step)
 
 
+@pytest.mark.full  # CI: engines SIGKILLed mid-batch and mid-sync (tests/rollout), the fault loop (test_fault_loop)
 def test_engine_killed_mid_generation_and_mid_sync_inside_the_loop(tmp_path):
     from transformers import AutoTokenizer
 

@@ -58,6 +58,7 @@ def _observe(proc: psutil.Process) -> tuple[int, int, dict] | None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # CI: the in-process two-rank loop (test_multirank) and the Megatron CLI runs at TP/PP 2
 @pytest.mark.vllm
 @pytest.mark.distributed
 def test_two_ranks_and_two_engines_serve_the_trained_weights(tmp_path):

@@ -79,6 +79,7 @@ def _wait_until_gone(pids: set[int], run_dir: Path, timeout: float = 60.0) -> li
 
 
 @pytest.mark.slow
+@pytest.mark.full  # CI: the Ray launcher's failing-rank/SIGTERM and refusal tests, the plan tests
 @pytest.mark.vllm
 @pytest.mark.distributed
 def test_quickstart_2_plus_2_on_a_local_ray_cluster(tmp_path):

@@ -112,6 +112,7 @@ def test_train_kill_resume_and_learn(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # CI: the controller's decisions (tests/spec) and a runtime k in the engine (test_adaptive_engine)
 @pytest.mark.vllm
 def test_adaptive_speculation_in_the_training_loop(tmp_path):
     """`rollout.spec.adaptive=true` in the real loop. off_accept=0.99 makes every acceptance "too

@@ -241,6 +241,7 @@ def one_thread():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # CI: the code-agent recipe's e2e (its warm start, then RL turns that run commands)
 def test_a_short_warm_start_on_demonstrations_makes_greedy_turns_well_formed(tmp_path, recipe, one_thread):
     """The recipe's warm start, shortened to 16 demonstrations: before it no greedy first turn is
     well formed, after it at least AFTER_FLOOR of the greedy turns on 8 held-out tasks are, and

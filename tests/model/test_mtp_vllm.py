@@ -31,6 +31,7 @@ def per_position_acceptance(spec: dict) -> list[float]:
     return [a / drafts if drafts else 0.0 for a in spec.get("per_pos", [])]
 
 
+@pytest.mark.full  # CI: vLLM drafts with the trained heads in test_megatron_drafter and the loop tests
 def test_trained_head_is_accepted_by_vllm_and_acc_d1_predicts_it(tmp_path, record_property):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from areal_npu.testing.smoke import generate
