@@ -67,14 +67,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                     print(f"  node {node}: {json.dumps(bundles)}")
         return 0
     if args.launcher == "ray":  # the Ray launcher places every rank and engine; it loads the recipe again
-        from areal_npu.placement import ray_launch
+        from areal_npu.launch import ray_launch
 
         address = ["--address", args.ray_address] if args.ray_address else []
         return ray_launch.main(
             [args.recipe, *args.overrides, *address, *(["--resume"] if args.resume else [])]
         )
+    from areal_npu.launch.torchrun import torchrun_command
     from areal_npu.platform import use_device
-    from areal_npu.run import run_rl, torchrun_command
+    from areal_npu.run import run_rl
     from areal_npu.train.dist import shutdown_distributed
 
     try:  # validated above; the trainer and every engine it starts compute there
@@ -105,7 +106,7 @@ DRY_RUN_FLAGS = ("json", "nodes", "devices_per_node", "device_kind", "model_conf
 
 def _ray_groups(plan) -> list:
     """The placement groups the Ray launcher would ask Ray for (pure: Ray is not imported)."""
-    from areal_npu.placement.ray_bundles import placement_groups
+    from areal_npu.launch.ray_bundles import placement_groups
 
     return placement_groups(plan)
 
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("local", "ray"),
         default="local",
         help="local (default): this machine, torchrun when train.dp_size > 1; ray: place every trainer rank "
-        "and engine on a Ray cluster (python -m areal_npu.placement.ray_launch); with --dry-run: also print "
+        "and engine on a Ray cluster (python -m areal_npu.launch.ray_launch); with --dry-run: also print "
         "the Ray placement groups",
     )
     p.add_argument(
@@ -220,11 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_arguments(p)
     p.set_defaults(func=report.run)
 
-    from areal_npu.spec import plan_cli
+    from areal_npu import plan
 
     p = sub.add_parser("plan", help="step-time model and draft-length recommendation")
-    plan_cli.add_arguments(p)
-    p.set_defaults(func=plan_cli.run)
+    plan.add_arguments(p)
+    p.set_defaults(func=plan.run)
 
     p = sub.add_parser("bench", help="run one of scripts/bench_*.py (from a source checkout)")
     p.add_argument("name", nargs="?", help="packing | logprobs | mtp | rollout; none: list them")

@@ -33,7 +33,7 @@ from areal_npu.agent.tasks import format_prompt
 from areal_npu.algo.advantages import GRPOConfig, grpo_advantages
 from areal_npu.data.sample import TrainSample
 from areal_npu.data.trajectory import Trajectory, training_sample
-from areal_npu.rollout.config import SpecConfig
+from areal_npu.speculation.config import SpecConfig
 from areal_npu.staleness import StalenessGate
 from areal_npu.train.losses import Loss
 from areal_npu.train.protocol import TrainEngine
@@ -147,10 +147,10 @@ class RLController:
         self.last_named: list | None = None  # the last pushed weights, for engines that restart
         self.spec_driver = None
         if spec.enabled and spec.adaptive:
-            from areal_npu.spec.adaptive import AdaptiveSpecDriver
+            from areal_npu.speculation.adaptive import AdaptiveSpecDriver
 
             self.spec_driver = AdaptiveSpecDriver(
-                client, spec.adapt_config(), log=logger.print, decisions_path=run_dir / "spec_decisions.jsonl"
+                client, spec.adapt_settings, log=logger.print, decisions_path=run_dir / "spec_decisions.jsonl"
             )
 
     # ---- producers ------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ class RLController:
         return bool(every) and (step == 0 or (step + 1) % every == 0 or step + 1 == self.cfg.steps)
 
     async def train(self, on_step=None, workflow=None) -> list[dict]:
-        from areal_npu.spec.planner import live_perf_metrics
+        from areal_npu.speculation.planner import live_perf_metrics
 
         c = self.cfg
         history = []
@@ -356,7 +356,7 @@ class RLController:
             t3 = time.perf_counter()
             t_sync = await self.push_weights(step)
             stats.update(await self.client.step_metrics())
-            spec_k = self.spec.num_speculative_tokens if self.spec.enabled else 0
+            spec_k = self.spec.k_at_start  # the driver, where there is one, changes it between steps
             if self.spec_driver is not None:
                 stats.update(await self.spec_driver.step(step, stats))
                 spec_k = int(stats[names.SPEC_K])

@@ -1,10 +1,11 @@
 """Metric keys and step phases: the one definition that every producer and reader imports.
 
-``metrics.jsonl`` holds one JSON object per training step (:mod:`areal_npu.metrics`). The keys
-below cross a module boundary -- written in one place (the controller, the rollout client, the
-acceptance tracker, the adaptive-speculation driver, the PPO loss, the planner) and read in another
-(the status line, ``areal-npu report``, ``areal-npu plan``, the planner, the driver). Keys only one
-module knows about (``ppo/clip_ratio``, ``grpo/*``, ...) stay with that module.
+``metrics.jsonl`` holds one JSON object per training step (:mod:`areal_npu.metrics`). Every key
+of it is defined here -- written in one place (the controller, the rollout client, the acceptance
+tracker, the adaptive-speculation driver, the losses, the train engines, the packer, the planner) and
+read in another (the status line, ``areal-npu report``, ``areal-npu plan``, the planner, the driver,
+the stats merge), so a rename is one edit. ``tests/test_names.py`` scans the package for a
+``<group>/<name>`` literal (or the ``mtp.`` prefix) spelled anywhere else.
 
 Phases. One training step runs :data:`PHASES` one after the other, so ``T_step`` is their sum and
 ``timing/step_s`` measures it. ``data`` and ``prepare`` (loading and preparing a batch, as NeMo-RL
@@ -96,9 +97,55 @@ STEP_SPEEDUP_CEILING = "perf/step_speedup_ceiling"
 # --- the trainer (algo.ppo, model.mtp_loss, the train engine) -------------------------------------
 BEHAVE_IMP_WEIGHT = "ppo/behave_imp_weight"  # prefix: /mean, /min, /max of pi_prox / pi_behave
 BEHAVE_IMP_WEIGHT_MEAN = BEHAVE_IMP_WEIGHT + "/mean"
+BEHAVE_IMP_WEIGHT_OUTLIER_RATIO = BEHAVE_IMP_WEIGHT + "/outlier_ratio"
+BEHAVE_APPROX_KL = "ppo/behave_approx_kl"
 VERSION_LAG_MEAN = "ppo/version_lag/mean"
 VERSION_LAG_MAX = "ppo/version_lag/max"
+PPO_LOSS = "ppo/loss"  # already a fraction of the global normaliser: adds up over micro-batches
+PPO_N_VALID_TOKENS = "ppo/n_valid_tokens"  # adds up over micro-batches
+PPO_IMPORTANCE_WEIGHT = "ppo/importance_weight"
+PPO_CLIP_RATIO = "ppo/clip_ratio"
+PPO_DUAL_CLIP_RATIO = "ppo/dual_clip_ratio"
+PPO_APPROX_KL = "ppo/approx_kl"
+PPO_ENTROPY = "ppo/entropy"
+PPO_KL_REF = "ppo/kl_ref"
+GRPO_ZERO_ADV_GROUPS = "grpo/zero_adv_groups"  # groups whose rewards are all equal (advantage 0)
+GRPO_ZERO_ADV_GROUP_RATIO = "grpo/zero_adv_group_ratio"
+GRPO_REWARD_MEAN = "grpo/reward_mean"
+GRPO_REWARD_STD_MEAN = "grpo/reward_std_mean"
 SFT_NLL = "sft/nll"  # warm start: next-token loss of the policy
+SFT_ENTROPY = "sft/entropy"
+SFT_LOSS = "sft/loss"  # areal_npu.testing.sft's loop
+
+# --- the train engines (train.base, train.stats): one optimizer step ------------------------------
+TRAIN_GRAD_NORM = "train/grad_norm"  # the policy's, before clipping
+TRAIN_LR = "train/lr"
+TRAIN_VERSION = "train/version"  # weight version after the step
+TRAIN_N_TOKENS = "train/n_tokens"  # loss tokens over all data-parallel ranks (summed over mini-batches)
+
+# --- packing (data.packing: packing_stats; the engines add the truncation count) ------------------
+PACKING_REAL_TOKENS = "packing/real_tokens"
+PACKING_SLOTS = "packing/slots"
+PACKING_UTILIZATION = "packing/utilization"
+PACKING_CAP_FILL = "packing/cap_fill"
+PACKING_PADDED_SLOTS = "packing/padded_slots"
+PACKING_PADDED_UTILIZATION = "packing/padded_utilization"
+PACKING_ALIGNMENT_PAD_TOKENS = "packing/alignment_pad_tokens"
+PACKING_MICRO_BATCHES = "packing/micro_batches"
+PACKING_MICRO_BATCHES_LOWER_BOUND = "packing/micro_batches_lower_bound"
+PACKING_MICRO_BATCHES_OVER_BOUND = "packing/micro_batches_over_bound"
+PACKING_TOKENS_PER_MB_MEAN = "packing/tokens_per_mb_mean"
+PACKING_TOKENS_PER_MB_MAX = "packing/tokens_per_mb_max"
+PACKING_TOKENS_PER_MB_MIN = "packing/tokens_per_mb_min"
+PACKING_SEQUENCES = "packing/sequences"
+PACKING_MAX_SEQLEN = "packing/max_seqlen"
+PACKING_MEAN_SEQLEN = "packing/mean_seqlen"
+PACKING_ATTENTION_COST_RATIO = "packing/attention_cost_ratio"
+PACKING_TRUNCATED_SEQUENCES = "packing/truncated_sequences"  # on_too_long=truncate: this rank's cut samples
+
+# --- the MTP head (model.mtp_loss, train.megatron.mtp) ---------------------------------------------
+MTP_STATS = "mtp/"  # the group: every mtp/* stat is a fraction of a global count (adds up)
+MTP_LOSS = "mtp/loss"  # loss_scale / D * sum_d loss_d
 MTP_LOSS_DEPTH_PATTERN = r"mtp/loss_d(\d+)"
 MTP_ACC_DEPTH_PATTERN = r"mtp/acc_d(\d+)"
 
@@ -117,3 +164,7 @@ def mtp_count_key(depth: int) -> str:
 
 
 MTP_STAT_PREFIXES = ("mtp/loss_d", "mtp/acc_d", "mtp/n_d")
+
+#: Checkpoint and training names of the MTP head's tensors (``mtp.fc.weight``, ...): the trainer,
+#: the checkpoint layouts and the rollout's drafter loader all split a state dict on it.
+MTP_PREFIX = "mtp."

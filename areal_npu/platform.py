@@ -281,6 +281,12 @@ def import_torch_npu() -> ModuleType:
     return importlib.import_module("torch_npu")
 
 
+def hccl_process_group_class() -> type:
+    """torch_npu's ``ProcessGroupHCCL`` (HCCL registered by importing torch_npu); NPU only."""
+    import_torch_npu()
+    return importlib.import_module("torch_npu._C._distributed_c10d").ProcessGroupHCCL
+
+
 # ---- visible devices of the processes a run starts (the placement planner's seam) ----
 
 #: A CPU process's core set, as a taskset-style list (``0-3,8``). The process applies it to itself

@@ -2,7 +2,7 @@
 
 Each config lives beside the component it configures (``ControllerConfig`` in
 :mod:`areal_npu.controller`, ``GRPOConfig`` in :mod:`areal_npu.algo.advantages`, ``WarmStartConfig``
-in :mod:`areal_npu.train.warmstart`, ...); values that depend on several components are derived here,
+in :mod:`areal_npu.warmstart`, ...); values that depend on several components are derived here,
 once, into the field their user reads (``rollout.device``, ``rollout.spec.sync_draft``).
 """
 
@@ -22,7 +22,7 @@ from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.train.config import TrainEngineConfig
-from areal_npu.train.warmstart import WarmStartConfig
+from areal_npu.warmstart import WarmStartConfig
 
 
 @dataclass
@@ -186,6 +186,7 @@ class RLConfig(ExperimentConfig):
         # One derivation: weight pushes carry the drafter only when it is our MTP head and that head
         # trains; the trainer and the engines both read this field.
         spec.sync_draft = spec.sync_draft and spec.enabled and spec.is_mtp and self.mtp.enabled and self.mtp.train
+        self._check_mtp_depths()
         if self.rollout.model:
             raise ConfigError("rollout.model", "is set by the trainer (the policy it trains); use model.path")
         if spec.mtp_draft_dir:
@@ -208,6 +209,27 @@ class RLConfig(ExperimentConfig):
             from areal_npu.train.factory import check_trainer
 
             check_trainer(self)
+
+    def _check_mtp_depths(self) -> None:
+        """The MTP depths trained against the draft length the engines run with that head.
+
+        Fewer depths than k is legitimate (the shipped recipes train 1 and draft 3): vLLM's drafter
+        runs the same head (``layers.0``, areal_npu/model/mtp.py) at every draft position, feeding
+        each its previous output, so depth 1's training serves every position -- more depths only
+        train it on the deeper positions' inputs too. More depths than k (the deepest k, with
+        ``spec.adaptive``) trains positions no engine drafts: time and memory every step for
+        nothing the rollouts use, so it is refused. Where the engines do not draft with this head
+        (speculation off, another method, a frozen head) the depths are not checked."""
+        spec, depths = self.rollout.spec, self.mtp.num_depths
+        drafts_with_head = spec.enabled and spec.is_mtp and self.mtp.enabled and self.mtp.train
+        if drafts_with_head and depths > spec.num_speculative_tokens:
+            raise ConfigError(
+                "mtp.num_depths",
+                f"({depths}) exceeds rollout.spec.num_speculative_tokens ({spec.num_speculative_tokens}): "
+                f"the engines draft at most {spec.num_speculative_tokens} token(s) with this head, so deeper "
+                f"depths would be trained for drafts never made; set mtp.num_depths <= "
+                f"{spec.num_speculative_tokens} (fewer is fine: every draft position runs the same head)",
+            )
 
     def _check_task_kind(self) -> None:
         """Repo tasks and the shell agent go together; an episode must fit the engine and a micro-batch."""

@@ -57,24 +57,6 @@ async def _run_loop(
         await client.aclose()
 
 
-def torchrun_command(cfg: RLConfig, argv: list[str]) -> list[str] | None:
-    """The command that starts this run's trainer ranks, when it needs several and this process is
-    not one of them yet: torchrun on this node, one process per rank of the layout, each running
-    ``areal-npu`` with ``argv`` (``train RECIPE ...``). ``None``: run here (one rank, or already
-    started by torchrun). Several nodes start torchrun themselves (``--nnodes``, ``--rdzv-endpoint``)."""
-    from areal_npu.placement import TrainerLayout
-    from areal_npu.train.factory import check_world_size
-
-    world = TrainerLayout.of(cfg.train).world_size
-    if world == 1 or "WORLD_SIZE" in os.environ:
-        return None
-    check_world_size(cfg.train, world)  # what a multi-rank run cannot do, refused before starting it
-    import sys
-
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "-m", "areal_npu.cli", *argv]  # fmt: skip
-
-
 def _warn(message: str) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -90,7 +72,7 @@ def _base_policy(cfg: RLConfig, run_dir: Path, train_tasks, console, rank: int) 
     import torch.distributed as dist
 
     from areal_npu.model.tiny import save_tiny_model
-    from areal_npu.train.warmstart import warm_start
+    from areal_npu.warmstart import warm_start
 
     base = Path(cfg.model.path) if cfg.model.path else run_dir / "base_model"
     if not cfg.model.path and rank == 0:
@@ -117,9 +99,9 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     from areal_npu.agent.tasks import make_splits
-    from areal_npu.compat.vllm.dense_mtp import serve_with_split_drafter
+    from areal_npu.launch.engines import launch_engines
     from areal_npu.metrics import StatsLogger
-    from areal_npu.rollout.launcher import launch_engines
+    from areal_npu.rollout.dense_mtp import serve_with_split_drafter
     from areal_npu.train import ranks
     from areal_npu.train.checkpoint import checkpoint_to_resume
     from areal_npu.train.dist import init_distributed

@@ -12,7 +12,7 @@ run on; nothing here allocates a device or starts a process.
 * **Model shape**: a config file given with ``--model-config`` (the 64K recipes' scripts pass the
   shipped one where the checkpoint is absent), else ``model.path``'s ``config.json``, else the tiny
   model of ``model.tiny`` when ``model.path`` is empty.
-* **Step time**: ``areal-npu plan``'s step model (:func:`areal_npu.spec.plan_cli.plan_from_numbers`)
+* **Step time**: ``areal-npu plan``'s step model (:func:`areal_npu.speculation.step_plan.plan_from_numbers`)
   fed with published figures (:data:`PUBLISHED_STEP`, :data:`PUBLISHED_SPEC_SPEEDUP`) when they
   describe this model on this kind of device; otherwise no prediction, and a note says so.
 
@@ -107,7 +107,7 @@ class Estimates:
     step_time: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     memory_estimate: MemoryEstimate | None = field(default=None, repr=False)
-    step_plan: Any = field(default=None, repr=False)  # areal_npu.spec.plan_cli.Plan
+    step_plan: Any = field(default=None, repr=False)  # areal_npu.speculation.step_plan.Plan
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "memory": self.memory, "step_time": self.step_time, "notes": self.notes}
@@ -221,8 +221,8 @@ def plan_args(step: PublishedStep, speedup: PublishedSpeedup | None, scale: tupl
 
 
 def predict_step(cfg, dims: ModelDims, plan, step=PUBLISHED_STEP, speedup=PUBLISHED_SPEC_SPEEDUP):
-    """``(plan_cli.Plan, description)`` from the published figures, or ``(None, reason)``."""
-    from areal_npu.spec import plan_cli
+    """``(step_plan.Plan, description)`` from the published figures, or ``(None, reason)``."""
+    from areal_npu.speculation import step_plan
 
     if not step.matches(dims) or plan.device_kind != step.device:
         return None, (
@@ -251,8 +251,8 @@ def predict_step(cfg, dims: ModelDims, plan, step=PUBLISHED_STEP, speedup=PUBLIS
                      f"(recipe k = {spec.num_speculative_tokens}), as if the published rollouts had not speculated")  # fmt: skip
     args = plan_args(step, use, scale)
     parser = argparse.ArgumentParser(add_help=False)
-    plan_cli.add_arguments(parser)
-    result = plan_cli.plan_from_numbers(parser.parse_args(args))
+    step_plan.add_step_arguments(parser)
+    result = step_plan.plan_from_numbers(parser.parse_args(args))
     return result, {"basis": basis, "command": "areal-npu plan " + " ".join(args)}
 
 
@@ -353,13 +353,13 @@ def render(est: Estimates, console=None) -> None:
         device_bytes = est.memory["device_bytes"]
         console.print(escape(format_memory_table(est.memory_estimate, device_bytes)), highlight=False)
     if est.step_plan is not None:
-        from areal_npu.spec import plan_cli
+        from areal_npu.speculation import step_plan
 
         console.print(
             "\nstep time, predicted from published figures (" + escape(est.step_time["command"]) + "):"
         )
         for line in est.step_time["basis"]:
             console.print(f"  - {escape(line)}")
-        plan_cli.render(est.step_plan)
+        step_plan.render(est.step_plan)
     for note in est.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")

@@ -86,9 +86,8 @@ def build_engines(shape: str, mtp: bool, names=("fsdp2", "megatron"), tp: int = 
     """The engines named (``fsdp2``, ``megatron``) from the same weights; Megatron at ``tp``."""
     from areal_npu.data.packing import PackingConfig
     from areal_npu.model.mtp import MTPConfig
-    from areal_npu.train.config import TrainEngineConfig
+    from areal_npu.train.config import MegatronLayoutConfig, TrainEngineConfig
     from areal_npu.train.fsdp2 import FSDPEngine
-    from areal_npu.train.megatron.config import MegatronLayoutConfig
     from areal_npu.train.megatron.engine import MegatronEngine
     from areal_npu.train.optim import OptimConfig
 

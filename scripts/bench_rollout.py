@@ -26,7 +26,7 @@ If the trained head cannot be built (warm start unavailable), the bench says so 
 head) and a bad one (random head); a step is ``--batch`` concurrent requests of ``--max-tokens``
 tokens. (1) One engine per fixed k (k = 0: an engine without speculation; k >= 1: started with
 that k). (2) One adaptive engine (``spec.adaptive``, k_max = the largest k) running 4 rounds of an
-adaptive block (``areal_npu.spec.adaptive`` picks k each step; exploration and probes
+adaptive block (``areal_npu.speculation.adaptive`` picks k each step; exploration and probes
 included) followed by a block at each fixed k set at run time -- interleaved so that the slow
 drifts of a shared machine hit all modes alike. Reported: tokens/s (wall clock over the mode's
 steps), the median step, acceptance, and the adaptive ratio to the best k on the same engine and
@@ -49,19 +49,19 @@ import time
 from pathlib import Path
 
 from areal_npu import names
+from areal_npu.launch.engine_process import EngineProcess
 from areal_npu.rollout.client import RolloutClient
-from areal_npu.rollout.config import RolloutConfig, SpecConfig
-from areal_npu.rollout.launcher import EngineProcess
-from areal_npu.spec.acceptance import counter_delta, spec_stats
+from areal_npu.rollout.config import RolloutConfig
+from areal_npu.speculation.acceptance import counter_delta, spec_stats
+from areal_npu.speculation.config import SpecConfig
 
 
 def build_trained(out: Path, steps: int, depths: int, layout: str) -> tuple[Path, list[list[int]], dict]:
     import torch
     from transformers import AutoTokenizer
 
-    from areal_npu.model.layout import load_for_training
+    from areal_npu.model.layout import load_for_training, save_model_with_mtp
     from areal_npu.model.mtp import MTPConfig
-    from areal_npu.model.mtp_checkpoint import save_model_with_mtp
     from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
     from areal_npu.testing.sft import evaluate_mtp, pattern_corpus, sft_warm_start
 
@@ -207,11 +207,11 @@ def main(argv=None) -> int:
     if 0 not in ks:
         ks = [0, *ks]
 
-    from areal_npu.rollout import vllm_features
+    from areal_npu.compat.vllm import features as vllm_version
 
     layout = args.layout
     if layout == "auto":
-        layout = "text" if vllm_features.has("qwen3_5_text_class") else "published"
+        layout = "text" if vllm_version.has("qwen3_5_text_class") else "published"
     if layout == "published" and args.head != "trained":
         parser.error("--layout published: only --head trained builds a published-layout checkpoint")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-rollout-"))
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     print_table(rows, head, max_tokens, args.temperature, draft_cost)
     if args.json:
         payload = {
-            "vllm": vllm_features.installed_version(),
+            "vllm": vllm_version.installed_version(),
             "layout": layout,
             "head": head,
             "head_info": head_info,
@@ -352,7 +352,7 @@ async def fixed_engine_run(engine, steps: int, batch: int, max_tokens: int) -> d
 async def interleaved_run(engine, rounds, adaptive_steps, fixed_steps, ks, batch, max_tokens, policy, log) -> dict:
     """Adaptive blocks and fixed-k blocks alternate on one engine, so slow drifts of a shared machine
     hit every mode alike. The driver sees only its own blocks; its k is restored before each."""
-    from areal_npu.spec.adaptive import AdaptiveSpecDriver
+    from areal_npu.speculation.adaptive import AdaptiveSpecDriver
 
     rng = random.Random(1)
     tallies = {"adaptive": Tally(), **{f"k={k}": Tally() for k in ks}}
@@ -383,7 +383,7 @@ async def interleaved_run(engine, rounds, adaptive_steps, fixed_steps, ks, batch
 def adaptive_main(args) -> int:
     from collections import Counter
 
-    from areal_npu.spec.policy import SpecAdaptConfig
+    from areal_npu.speculation.policy import SpecAdaptConfig
 
     ks = sorted({0, *(int(k) for k in args.ks.split(","))})
     k_max = max(ks)
@@ -413,7 +413,7 @@ def adaptive_main(args) -> int:
             print(line, flush=True)
 
         try:
-            policy = SpecAdaptConfig(k_max=k_max, k_init=min(2, k_max))
+            policy = SpecAdaptConfig(k_max=k_max)  # starts where the engine does (k_init: min(2, k_max))
             out = asyncio.run(interleaved_run(engine, rounds, adaptive_steps, fixed_steps, ks, args.batch,
                                               max_tokens, policy, log))  # fmt: skip
         finally:

@@ -53,8 +53,10 @@ def _root_config() -> type:
 
 
 def _adapt_schema(spec: Any) -> type:
-    """``rollout.spec.adapt``: the adaptive policy's own config, as ``SpecConfig.adapt_config`` builds it."""
-    return type(dataclasses.replace(spec, num_speculative_tokens=2, adapt={}).adapt_config())
+    """``rollout.spec.adapt``: the adaptive policy's own config, as ``SpecConfig.validate`` resolves it."""
+    from areal_npu.speculation.config import resolve_adapt
+
+    return type(resolve_adapt({}, k_max=2))
 
 
 #: dict-valued options whose keys are a dataclass's fields: dotted key -> (parent config -> that

@@ -4,7 +4,7 @@ Not a test: a measurement (issue 16) whose numbers set ``warmstart`` in ``recipe
 and the floor of ``tests/agent/test_demos.py``. For each learning rate and seed it builds the tiny
 model, records the demonstrations of the first ``--n-demo`` training tasks (the real ShellAgent with a
 scripted client, :mod:`areal_npu.agent.demos`), trains the run's engine with ``SFTLoss`` under the
-warm start's optimizer (:func:`areal_npu.train.warmstart.warm_start`'s schedule, ``--steps``' last
+warm start's optimizer (:func:`areal_npu.warmstart.warm_start`'s schedule, ``--steps``' last
 value as its length) and, after each of ``--steps``, plays greedy episodes (transformers) on held-out
 tasks. A turn is well formed when it has a reasoning line and exactly one ```bash block that
 :func:`areal_npu.agent.actions.parse_action` accepts. Intermediate points see the learning rate not

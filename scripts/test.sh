@@ -26,7 +26,7 @@ export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 echo "[test] ruff"
 .venv/bin/ruff check .
 echo "[test] pytest"
-.venv/bin/pytest "$@"
+.venv/bin/pytest --durations=30 "$@"
 
 # The other end of the supported transformers range: the model and packing-patch tests again with
 # pyproject's lower bound installed beside .venv (first on PYTHONPATH). Under a minute on 2 cores,
@@ -76,7 +76,8 @@ if [ "$vllm023_ok" != 0 ]; then
   exit 1
 fi
 v023_tests=(
-  tests/rollout/test_vllm_features.py tests/rollout/test_config.py tests/rollout/test_server_routes.py
+  tests/compat/vllm/test_features.py tests/rollout/test_vllm_features.py tests/rollout/test_config.py
+  tests/rollout/test_server_routes.py
   tests/rollout/test_transports.py tests/compat/vllm/test_cpu_sampling.py tests/compat/vllm/test_v023_cpu_sampling.py
   tests/compat/vllm/test_v023_gdn_state.py tests/test_cli.py::test_doctor_json_carries_the_vllm_version_and_feature_flags
 )

@@ -1,6 +1,6 @@
 """``areal-npu train --launcher {local,ray}``: bad values exit 2 naming the option, ``--dry-run``
 prints the plan and the Ray placement groups without importing (let alone starting) Ray, and a
-real run hands the recipe to the Ray launcher's entry. No Ray cluster here (tests/test_ray_launch.py
+real run hands the recipe to the Ray launcher's entry. No Ray cluster here (tests/launch/test_ray_launch.py
 runs one)."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_ray_dry_run_text_lists_the_groups(capsys):
 
 
 def test_ray_launcher_runs_the_ray_launch_entry_with_the_recipe(tmp_path, monkeypatch):
-    from areal_npu.placement import ray_launch
+    from areal_npu.launch import ray_launch
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: demo\n")

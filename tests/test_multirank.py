@@ -119,7 +119,7 @@ def _controller_run(rank, world, engine, channel, out_dir, fail_push_at=None, fa
     """One run of the loop: rank 0 leads (its result or error in ``out_dir``), the others follow."""
     from areal_npu.algo.advantages import GRPOConfig
     from areal_npu.controller import ControllerConfig, RLController
-    from areal_npu.rollout.config import SpecConfig
+    from areal_npu.speculation.config import SpecConfig
     from areal_npu.train.losses import PPOLoss
     from areal_npu.train.ranks import LeaderEngine, follow
 
@@ -194,7 +194,7 @@ def test_two_ranks_train_like_one(tmp_path):
     assert json.loads((two_dir / "rank1.json").read_text()) == {"stopped_by": None}
     assert len(one["stats"]) == len(two["stats"]) == STEPS
     for step, (a, b) in enumerate(zip(one["stats"], two["stats"])):
-        assert set(a) == set(b) and {"ppo/loss", "train/grad_norm", names.mtp_loss_key(1)} <= set(a)
+        assert set(a) == set(b) and {names.PPO_LOSS, names.TRAIN_GRAD_NORM, names.mtp_loss_key(1)} <= set(a)
         for key in a:
             assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (step, key, a[key], b[key])
     # one push per update, of the same weights (policy and MTP head)
@@ -269,8 +269,8 @@ def test_min_and_max_skip_micro_batches_without_loss_tokens():
 
 def test_a_multi_rank_recipe_starts_torchrun_with_one_process_per_rank(monkeypatch):
     from areal_npu.config import load_config
+    from areal_npu.launch.torchrun import torchrun_command
     from areal_npu.recipe import RLConfig
-    from areal_npu.run import torchrun_command
 
     recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "cpu" / "quickstart.yaml")
     monkeypatch.delenv("WORLD_SIZE", raising=False)

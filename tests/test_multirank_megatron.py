@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal_npu import names
 from tests.test_multirank import COMPARED, STEPS, _controller_run, _run
 
 pytest.importorskip("megatron.core")
@@ -80,7 +81,7 @@ def test_megatron_ranks_train_like_one_rank(tmp_path, one_rank, world, tp, cp, p
     one, many = torch.load(one_dir / "result.pt"), torch.load(many_dir / "result.pt")
     assert len(one["stats"]) == len(many["stats"]) == STEPS
     for step, (a, b) in enumerate(zip(one["stats"], many["stats"])):
-        assert set(a) == set(b) and {"ppo/loss", "train/grad_norm", "train/n_tokens"} <= set(a)
+        assert set(a) == set(b) and {names.PPO_LOSS, names.TRAIN_GRAD_NORM, names.TRAIN_N_TOKENS} <= set(a)
         for key in a:
             assert key.startswith(COMPARED)
             assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (step, key, a[key], b[key])
@@ -104,8 +105,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_megatron_layout_starts_torchrun_with_one_process_per_rank(tmp_path, monkeypatch):
     from areal_npu.config import load_config
+    from areal_npu.launch.torchrun import torchrun_command
     from areal_npu.recipe import RLConfig
-    from areal_npu.run import torchrun_command
     from tests.support.megatron_tiny import SERVABLE_QWEN3, save_tiny_qwen3_checkpoint
 
     checkpoint = save_tiny_qwen3_checkpoint(tmp_path / "qwen3", **SERVABLE_QWEN3)
@@ -141,11 +142,11 @@ def test_areal_npu_train_runs_megatron_on_two_pipeline_stages_with_a_vllm_engine
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "warm start 2/2: sft/nll" in done.stdout and '{"rank": 1, "stopped_by": null}' in done.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and [r["train/version"] for r in rows] == [1.0, 2.0]
+    assert [r["step"] for r in rows] == [0, 1] and [r[names.TRAIN_VERSION] for r in rows] == [1.0, 2.0]
     # max_staleness=0: every step samples from the weights just pushed, so vLLM's behaviour
     # log-probs equal the two-stage trainer's proximal ones (imp weight 1) only if the push was exact
-    assert all(r["ppo/version_lag/max"] == 0 for r in rows), rows
-    assert all(abs(r["ppo/behave_imp_weight/mean"] - 1.0) < 1e-3 for r in rows), rows
+    assert all(r[names.VERSION_LAG_MAX] == 0 for r in rows), rows
+    assert all(abs(r[names.BEHAVE_IMP_WEIGHT_MEAN] - 1.0) < 1e-3 for r in rows), rows
     step = run_dir / "checkpoints" / "step_2"
     assert {p.name for p in step.glob("optim_*.pt")} == {"optim_pp0_tp0_dp0.pt", "optim_pp1_tp0_dp0.pt"}  # stages
     assert not alive(_engines(run_dir))

@@ -233,18 +233,6 @@ def test_cpu_cores_split_evenly_trainer_takes_the_remainder():
     assert [p.devices for p in result.processes] == [[2, 5], [7]]
 
 
-@pytest.mark.parametrize(("engines", "cores"), [(1, 2), (1, 16), (2, 16), (3, 4), (1, 5)])
-def test_cpu_engines_get_the_cores_the_launcher_gives_them_today(monkeypatch, engines, cores):
-    from areal_npu.rollout.launcher import ENGINE_CPUS_ENV, cpu_binding
-
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
-    cfg = RolloutConfig(model="m", device="cpu", num_engines=engines)
-    today = {int(c) for i in range(engines) for c in cpu_binding(cfg, i)[ENGINE_CPUS_ENV].split(",")}
-    result = plan(TrainerLayout(), cfg, Cluster.uniform("cpu", 1, cores))
-    assert {c for p in result.engines for c in p.devices} == today
-
-
 # ---- errors name the key and the counts ----
 
 

@@ -167,6 +167,28 @@ def test_sync_draft_is_resolved_once_to_what_the_pushes_carry(overrides, synced)
     assert load_config(RLConfig, QUICKSTART, overrides).rollout.spec.sync_draft is synced
 
 
+def test_more_trained_mtp_depths_than_drafts_is_refused(capsys):
+    """The quickstart drafts k = 2 with its trained MTP head: a third depth would train a draft
+    position no engine runs."""
+    assert_refused(capsys, ["mtp.num_depths=3"], "mtp.num_depths", "exceeds rollout.spec.num_speculative_tokens (2)")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["mtp.num_depths=1"],  # fewer depths than k: vLLM runs the same head at every position
+        ["mtp.num_depths=2"],  # one trained depth per draft position
+        ["mtp.num_depths=3", "rollout.spec.num_speculative_tokens=3"],
+        # the engines do not draft with this head: its depths are not compared with k
+        ["mtp.num_depths=3", "rollout.spec.method=null", "rollout.spec.num_speculative_tokens=0"],
+        ["mtp.num_depths=3", "rollout.spec.method=ngram"],
+    ],
+)
+def test_mtp_depths_up_to_the_draft_length_pass(capsys, overrides):
+    code, err = check(capsys, *overrides)
+    assert code == 0, err
+
+
 def test_rollout_device_that_disagrees_is_refused(capsys):
     assert_refused(capsys, ["rollout.device=cuda"], "rollout.device", "the run's device is 'cpu'")
 

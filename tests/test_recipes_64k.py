@@ -266,7 +266,7 @@ def test_64k_recipe_keys_are_the_cpu_recipes():
     # the same job: agent, tasks, MTP drafting with a trained head, decoupled PPO, asynchronous
     for key in ("workflow.path", "task.kind", "ppo.decoupled", "mtp.enabled", "mtp.train", "train.backend"):
         assert big[key] == cpu[key], key
-    from areal_npu.rollout.config import MTP_ALIASES
+    from areal_npu.speculation.config import MTP_ALIASES
 
     assert big["rollout.spec.method"] in MTP_ALIASES and cpu["rollout.spec.method"] in MTP_ALIASES
     assert big["controller.max_staleness"] >= 1 and cpu["controller.max_staleness"] >= 1

@@ -95,14 +95,17 @@ def test_options_are_exactly_the_keys_omegaconf_accepts_with_their_defaults(sect
 
 
 def test_expanded_dict_keys_are_accepted_by_their_owner(sections):
-    """``rollout.spec.adapt.KEY`` rows name keys ``SpecConfig.adapt_config`` takes, defaults valid."""
+    """``rollout.spec.adapt.KEY`` rows name keys an adaptive ``SpecConfig`` takes, defaults valid."""
     cfg = gen._root_config()()
     (adapt,) = [s for s in sections if s.key == "rollout.spec.adapt"]
     assert adapt.options
     for o in adapt.options:
         name = o.key.rsplit(".", 1)[1]
-        spec = dataclasses.replace(cfg.rollout.spec, num_speculative_tokens=4, adapt={name: o.default})
-        assert getattr(spec.adapt_config(), name) == o.default
+        spec = dataclasses.replace(
+            cfg.rollout.spec, method="mtp", num_speculative_tokens=4, adaptive=True, adapt={name: o.default}
+        )
+        spec.validate()
+        assert getattr(spec.adapt_settings, name) == o.default
 
 
 def test_cli_reference_lists_every_subcommand_and_option(reference):

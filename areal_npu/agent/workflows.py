@@ -27,7 +27,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from areal_npu.agent.reward import reward_many
-from areal_npu.agent.shell_agent import ShellAgentConfig
+from areal_npu.agent.shell_config import ShellAgentConfig
 from areal_npu.agent.tasks import Task, format_prompt
 from areal_npu.config import ConfigError
 from areal_npu.data.trajectory import Trajectory

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from areal_npu import names
 from areal_npu.algo.segments import broadcast_to_tokens, resolve_segment_ids
 
 
@@ -64,10 +65,10 @@ def grpo_advantages(
     adv = torch.where(all_equal, torch.zeros_like(adv), adv)
     num_zero = all_equal.sum()
     stats = {
-        "grpo/zero_adv_groups": num_zero.to(torch.float32),
-        "grpo/zero_adv_group_ratio": num_zero.to(torch.float32) / grouped.shape[0],
-        "grpo/reward_mean": r.mean(),
-        "grpo/reward_std_mean": std.mean(),
+        names.GRPO_ZERO_ADV_GROUPS: num_zero.to(torch.float32),
+        names.GRPO_ZERO_ADV_GROUP_RATIO: num_zero.to(torch.float32) / grouped.shape[0],
+        names.GRPO_REWARD_MEAN: r.mean(),
+        names.GRPO_REWARD_STD_MEAN: std.mean(),
     }
     return adv.reshape(-1), stats
 

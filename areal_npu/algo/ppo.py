@@ -264,14 +264,14 @@ def decoupled_ppo_loss(
         token_loss = token_loss * imp.weight.detach()
         contribution = imp.keep
         stats.update(S.mean_min_max(names.BEHAVE_IMP_WEIGHT, imp.raw, mask))
-        stats[f"{names.BEHAVE_IMP_WEIGHT}/outlier_ratio"] = S.masked_ratio(imp.outlier, mask)
-        stats["ppo/behave_approx_kl"] = S.masked_mean(behave_c - anchor, mask)
+        stats[names.BEHAVE_IMP_WEIGHT_OUTLIER_RATIO] = S.masked_ratio(imp.outlier, mask)
+        stats[names.BEHAVE_APPROX_KL] = S.masked_mean(behave_c - anchor, mask)
     if config.kl_coef > 0.0:
         if logp_ref is None:
             raise ValueError("kl_coef > 0 needs logp_ref")
         kl = kl_estimate(logp_c, clean(logp_ref), config.kl_estimator)
         token_loss = token_loss + config.kl_coef * kl
-        stats["ppo/kl_ref"] = S.masked_mean(kl, mask)
+        stats[names.PPO_KL_REF] = S.masked_mean(kl, mask)
 
     loss = aggregate_loss(
         token_loss,
@@ -282,14 +282,14 @@ def decoupled_ppo_loss(
         cu_seqlens=cu_seqlens,
         contribution_mask=contribution,
     )
-    stats["ppo/loss"] = loss.detach()
-    stats["ppo/n_valid_tokens"] = mask.sum().to(torch.float32)
-    stats["ppo/importance_weight"] = S.masked_mean(clip.ratio, mask)
-    stats["ppo/clip_ratio"] = S.masked_ratio(clip.clipped, mask)
-    stats["ppo/dual_clip_ratio"] = S.masked_ratio(clip.dual_clipped, mask)
-    stats["ppo/approx_kl"] = S.masked_mean(anchor - logp_c, mask)
+    stats[names.PPO_LOSS] = loss.detach()
+    stats[names.PPO_N_VALID_TOKENS] = mask.sum().to(torch.float32)
+    stats[names.PPO_IMPORTANCE_WEIGHT] = S.masked_mean(clip.ratio, mask)
+    stats[names.PPO_CLIP_RATIO] = S.masked_ratio(clip.clipped, mask)
+    stats[names.PPO_DUAL_CLIP_RATIO] = S.masked_ratio(clip.dual_clipped, mask)
+    stats[names.PPO_APPROX_KL] = S.masked_mean(anchor - logp_c, mask)
     if entropy is not None:
-        stats["ppo/entropy"] = S.masked_mean(entropy, mask)
+        stats[names.PPO_ENTROPY] = S.masked_mean(entropy, mask)
     if versions is not None:
         if policy_version is None:
             raise ValueError("versions given without policy_version")

@@ -108,8 +108,9 @@ def unpatched_forward(cls: type):
 _HOOKED = "_areal_npu_segments_from_position_ids"
 
 
-def _segments_from_position_ids(module, args, kwargs):
-    """Forward pre-hook: ``position_ids`` restarting at 0 in a one-row batch -> ``cu_seq_lens_q/k``."""
+def _segments_from_position_ids(cu_seqlens_of, module, args, kwargs):
+    """Forward pre-hook: ``position_ids`` restarting at 0 in a one-row batch -> ``cu_seq_lens_q/k``
+    (``cu_seqlens_of``: position ids -> int32 segment boundaries, the caller's packed layout)."""
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("attention_mask") is not None:
         return None  # explicit boundaries, or a padding mask that defines the rows itself
     if kwargs.get("past_key_values") is not None:
@@ -121,9 +122,7 @@ def _segments_from_position_ids(module, args, kwargs):
         position_ids = position_ids[0]  # Qwen3.5's [text; temporal; height; width] layout: row 0 is text
     if position_ids.dim() != 2 or position_ids.shape[0] != 1:
         return None  # a batch of several rows: each row is one sequence
-    from areal_npu.data.packed_layout import cu_seqlens_from_position_ids
-
-    cu = cu_seqlens_from_position_ids(position_ids)
+    cu = cu_seqlens_of(position_ids)
     if cu.numel() <= 2:
         return None  # one segment: nothing to split
     longest = int((cu[1:] - cu[:-1]).max())
@@ -141,10 +140,14 @@ def _segments_from_position_ids(module, args, kwargs):
     return args, kwargs
 
 
-def segment_by_position_ids(model: torch.nn.Module) -> int:
+def segment_by_position_ids(model: torch.nn.Module, cu_seqlens_of) -> int:
     """Hook every decoder stack of ``model`` that holds linear-attention layers (a ``layers`` list
     with a ``linear_attn`` member) so position ids alone segment them; returns how many it hooked.
-    Idempotent. Pass ``position_ids`` as a keyword (transformers' own callers do)."""
+    Idempotent. Pass ``position_ids`` as a keyword (transformers' own callers do).
+
+    ``cu_seqlens_of`` turns position ids into ``cu_seqlens`` (``[starts..., T]``, int32): the
+    packed layout is the caller's (``areal_npu.data.packed_layout.cu_seqlens_from_position_ids``),
+    handed in because compat imports nothing of the project."""
     hooked = 0
     for module in model.modules():
         layers = getattr(module, "layers", None)
@@ -153,7 +156,8 @@ def segment_by_position_ids(model: torch.nn.Module) -> int:
         if not any(hasattr(layer, "linear_attn") for layer in layers):
             continue
         if not getattr(module, _HOOKED, False):
-            module.register_forward_pre_hook(_segments_from_position_ids, with_kwargs=True)
+            hook = functools.partial(_segments_from_position_ids, cu_seqlens_of)
+            module.register_forward_pre_hook(hook, with_kwargs=True)
             setattr(module, _HOOKED, True)
         hooked += 1
     return hooked

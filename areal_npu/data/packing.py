@@ -21,6 +21,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from areal_npu import names
+
 __all__ = [
     "PackingConfig",
     "attention_cost",
@@ -58,7 +60,7 @@ class PackingConfig:
     cost_linear_coef: ``c`` in ``cost(s) = s**2 + c * s`` used to balance work across ranks.
     """
 
-    max_tokens_per_mb: int = 65536
+    max_tokens_per_mb: int = 8192
     mode: str = "ffd"
     min_mbs: int = 1
     mbs_divisor: int = 1
@@ -352,23 +354,23 @@ def packing_stats(
     per_mb = [sum(int(lengths[i]) for i in mb) for mb in plan]
     lb = lower_bound_micro_batches(lengths, cap)
     return {
-        "packing/real_tokens": float(real),
-        "packing/slots": float(real + alignment_pad_tokens),
-        "packing/utilization": real / (real + alignment_pad_tokens) if real else 0.0,
-        "packing/cap_fill": real / (count * cap) if count else 0.0,
-        "packing/padded_slots": float(len(lengths) * max(lengths)) if lengths else 0.0,
-        "packing/padded_utilization": real / (len(lengths) * max(lengths)) if lengths else 0.0,
-        "packing/alignment_pad_tokens": float(alignment_pad_tokens),
-        "packing/micro_batches": float(count),
-        "packing/micro_batches_lower_bound": float(lb),
-        "packing/micro_batches_over_bound": float(count - lb),
-        "packing/tokens_per_mb_mean": real / count if count else 0.0,
-        "packing/tokens_per_mb_max": float(max(per_mb, default=0)),
-        "packing/tokens_per_mb_min": float(min(per_mb, default=0)),
-        "packing/sequences": float(len(lengths)),
-        "packing/max_seqlen": float(max(lengths, default=0)),
-        "packing/mean_seqlen": real / len(lengths) if lengths else 0.0,
-        "packing/attention_cost_ratio": _cost_ratio(lengths, plan),
+        names.PACKING_REAL_TOKENS: float(real),
+        names.PACKING_SLOTS: float(real + alignment_pad_tokens),
+        names.PACKING_UTILIZATION: real / (real + alignment_pad_tokens) if real else 0.0,
+        names.PACKING_CAP_FILL: real / (count * cap) if count else 0.0,
+        names.PACKING_PADDED_SLOTS: float(len(lengths) * max(lengths)) if lengths else 0.0,
+        names.PACKING_PADDED_UTILIZATION: real / (len(lengths) * max(lengths)) if lengths else 0.0,
+        names.PACKING_ALIGNMENT_PAD_TOKENS: float(alignment_pad_tokens),
+        names.PACKING_MICRO_BATCHES: float(count),
+        names.PACKING_MICRO_BATCHES_LOWER_BOUND: float(lb),
+        names.PACKING_MICRO_BATCHES_OVER_BOUND: float(count - lb),
+        names.PACKING_TOKENS_PER_MB_MEAN: real / count if count else 0.0,
+        names.PACKING_TOKENS_PER_MB_MAX: float(max(per_mb, default=0)),
+        names.PACKING_TOKENS_PER_MB_MIN: float(min(per_mb, default=0)),
+        names.PACKING_SEQUENCES: float(len(lengths)),
+        names.PACKING_MAX_SEQLEN: float(max(lengths, default=0)),
+        names.PACKING_MEAN_SEQLEN: real / len(lengths) if lengths else 0.0,
+        names.PACKING_ATTENTION_COST_RATIO: _cost_ratio(lengths, plan),
     }
 
 

@@ -24,6 +24,11 @@ Export names for weight sync come from :meth:`CheckpointLayout.checkpoint_name`:
 engine's model loads (vLLM's ``Qwen3_5ForConditionalGeneration.load_weights`` maps
 ``model.language_model.*`` / ``model.visual.*`` / ``lm_head.*``; its ``Qwen3_5MTP`` drafter takes
 ``mtp.*``).
+
+A whole checkpoint -- policy and MTP head -- is loaded (:func:`load_for_training`, or
+:func:`load_model_with_mtp` for the text layout alone) and saved (:func:`save_model_with_mtp`) here;
+the head's own tensors come from :mod:`areal_npu.model.mtp_checkpoint`, which imports nothing of
+this module.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from pathlib import Path
 
 import torch
 
+from areal_npu.model.mtp import MTPConfig, Qwen35MTP, mtp_state_dict
+from areal_npu.model.mtp_checkpoint import INDEX_NAME, MTP_SHARD_NAME, attach_mtp
+
 __all__ = [
     "PUBLISHED",
     "PUBLISHED_TEXT_PREFIX",
@@ -43,7 +51,9 @@ __all__ = [
     "CheckpointLayout",
     "detect_layout",
     "load_for_training",
+    "load_model_with_mtp",
     "read_checkpoint_tensors",
+    "save_model_with_mtp",
 ]
 
 TEXT = "text"
@@ -51,7 +61,6 @@ PUBLISHED = "published"
 PUBLISHED_TEXT_PREFIX = "model.language_model."
 TRAIN_TEXT_PREFIX = "model."
 VISION_PREFIX = "model.visual."
-MTP_PREFIX = "mtp."
 #: Files beside the weights that a published checkpoint needs to load as a VL model in vLLM
 #: (its Qwen3.5 processor is built even with images switched off); carried through saves.
 PROCESSOR_FILES = (
@@ -181,8 +190,6 @@ def load_for_training(model_dir: str | Path, mtp_cfg, dtype: torch.dtype = torch
     """``(text causal LM, MTP head or None, CheckpointLayout)`` from a checkpoint in either layout."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from areal_npu.model.mtp_checkpoint import attach_mtp
-
     model_dir = Path(model_dir)
     kind = detect_layout(model_dir)
     if kind == TEXT:
@@ -196,3 +203,55 @@ def load_for_training(model_dir: str | Path, mtp_cfg, dtype: torch.dtype = torch
     }
     layout = CheckpointLayout(PUBLISHED, config, carried, files)
     return model, attach_mtp(model, mtp_cfg, model_dir), layout
+
+
+def load_model_with_mtp(model_dir: str | Path, cfg: MTPConfig, dtype: torch.dtype = torch.float32, **kwargs):
+    """``(model, mtp or None)``: transformers for the policy, :func:`attach_mtp` for the head.
+    Text-layout checkpoints only: a published (multimodal) one loads with
+    :func:`load_for_training`, which also returns the layout to save it in."""
+    from transformers import AutoModelForCausalLM
+
+    if detect_layout(model_dir) == PUBLISHED:
+        raise ValueError(
+            f"{model_dir} is a published (multimodal) Qwen3.5 checkpoint: load it with "
+            "areal_npu.model.layout.load_for_training, so that saves keep its layout"
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **kwargs)
+    return model, attach_mtp(model, cfg, model_dir)
+
+
+def save_model_with_mtp(
+    model, mtp: Qwen35MTP | None, out_dir: str | Path, tokenizer=None, layout=None
+) -> Path:
+    """``save_pretrained`` plus the ``mtp.*`` weights: merged into a single ``model.safetensors``,
+    or as ``model-mtp.safetensors`` listed in the shard index. Sets ``mtp_num_hidden_layers``.
+    With a published ``layout`` (from :func:`load_for_training`) the text
+    model is written back into that layout instead (one ``model.safetensors``)."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if mtp is not None:
+        model.config.get_text_config().mtp_num_hidden_layers = mtp.num_layers
+    if layout is not None and layout.kind == PUBLISHED:
+        named = [(k, v.detach().to("cpu")) for k, v in model.state_dict().items()]
+        named += [(k, v.to("cpu")) for k, v in (mtp_state_dict(mtp) if mtp is not None else {}).items()]
+        return layout.save(out, named, model.config, tokenizer)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    if mtp is None:
+        return out
+    head = {k: v.to("cpu") for k, v in mtp_state_dict(mtp).items()}
+    index = out / INDEX_NAME
+    if index.is_file():
+        data = json.loads(index.read_text())
+        save_file(head, str(out / MTP_SHARD_NAME), metadata={"format": "pt"})
+        data["weight_map"].update({k: MTP_SHARD_NAME for k in head})
+        index.write_text(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        single = out / "model.safetensors"
+        tensors = load_file(str(single))
+        tensors.update(head)
+        save_file(tensors, str(single), metadata={"format": "pt"})
+    return out

@@ -49,8 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from areal_npu.names import MTP_PREFIX
+
 __all__ = [
-    "MTP_PREFIX",
     "MTPConfig",
     "Qwen35MTP",
     "init_mtp_weights",
@@ -59,8 +60,6 @@ __all__ = [
     "mtp_state_dict",
     "vllm_draft_layer_index",
 ]
-
-MTP_PREFIX = "mtp."
 
 
 @dataclass
@@ -75,6 +74,10 @@ class MTPConfig:
     - ``train=False``: frozen head loaded once; not in the optimizer, not synced.
     - ``train=True, mtp_only=True``: only the head trains, on a frozen base (warm start of a weak
       draft); the policy is neither in the optimizer nor synced.
+
+    Each setting has its one default here (:func:`areal_npu.model.mtp_loss.mtp_loss` defaults to
+    ``MTPConfig.loss_scale``). :meth:`validate` runs once, with the recipe
+    (:func:`areal_npu.config.validate_tree`); the engines and helpers take the validated config.
     """
 
     enabled: bool = False

@@ -26,7 +26,7 @@ import torch
 
 from areal_npu import names
 from areal_npu.kernels.logprobs import DEFAULT_CHUNK_SIZE, chunked_logprobs_hits
-from areal_npu.model.mtp import Qwen35MTP
+from areal_npu.model.mtp import MTPConfig, Qwen35MTP
 from areal_npu.model.mtp_targets import MTPTargets
 
 __all__ = ["JointOutput", "backbone_forward", "joint_forward", "mtp_loss"]
@@ -36,7 +36,7 @@ def mtp_loss(
     mtp_hidden: Sequence[torch.Tensor],
     output_weight: torch.Tensor,
     targets: MTPTargets,
-    loss_scale: float = 0.1,
+    loss_scale: float = MTPConfig.loss_scale,
     num_valid_tokens: int | Sequence[int] | None = None,
     ignore_index: int = -100,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -85,7 +85,7 @@ def mtp_loss(
         stats[names.mtp_count_key(d)] = float(keep.numel())
         total = loss_d if total is None else total + loss_d
     loss = total * (loss_scale / depths)
-    stats["mtp/loss"] = float(loss.detach())
+    stats[names.MTP_LOSS] = float(loss.detach())
     return loss, stats
 
 
@@ -114,7 +114,7 @@ def joint_forward(
     position_ids: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
-    loss_scale: float = 0.1,
+    loss_scale: float = MTPConfig.loss_scale,
     num_valid_tokens: int | Sequence[int] | None = None,
     freeze_backbone: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from areal_npu.model.mtp import MTP_PREFIX, MTPConfig, Qwen35MTP
+from areal_npu.model.mtp import MTPConfig, Qwen35MTP
+from areal_npu.names import MTP_PREFIX
 
 __all__ = ["MTPParamGroups", "apply_mtp_mode", "mtp_mode", "mtp_param_groups", "weight_sync_names"]
 
 
 def mtp_mode(cfg: MTPConfig) -> str:
-    """``"off"``, ``"joint"``, ``"frozen"`` or ``"mtp_only"``."""
-    cfg.validate()
+    """``"off"``, ``"joint"``, ``"frozen"`` or ``"mtp_only"`` of a validated ``cfg``."""
     if not cfg.enabled:
         return "off"
     if not cfg.train:

@@ -130,7 +130,7 @@ def enable_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
     register_packed_attention()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     patch_linear_attention_for_packing()
-    segment_by_position_ids(model)
+    segment_by_position_ids(model, cu_seqlens_from_position_ids)
     return model
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from areal_npu.names import MTP_PREFIX
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
@@ -220,7 +222,7 @@ def build_tiny_model(cfg: TinyModelConfig | None = None):
         config, tensors, tokenizer = _published_checkpoint(cfg)
         layout = CheckpointLayout(PUBLISHED, config)
         model = Qwen3_5ForCausalLM(config.text_config).float()
-        text = {layout.training_name(k): v for k, v in tensors.items() if not k.startswith("mtp.")}
+        text = {layout.training_name(k): v for k, v in tensors.items() if not k.startswith(MTP_PREFIX)}
         model.load_state_dict({k: v for k, v in text.items() if k is not None}, strict=True)
         mtp = None
         if cfg.mtp_num_hidden_layers:

@@ -32,7 +32,7 @@ Environment, on top of what a process inherits:
   ``MASTER_ADDR``, ``MASTER_PORT``; on the CPU the rank's own core set;
 * engines: the launcher's engine environment (``RolloutConfig.engine_env``), their own devices,
   on the CPU vLLM's OpenMP binding (one core list per tp rank, ``|``-separated) and the core set
-  the engine server applies to its whole process group (``launcher.ENGINE_CPUS_ENV``);
+  the engine server applies to its whole process group (``env.ENGINE_CPUS_ENV``);
 * NPU: each HCCL job on a node (the trainer, each engine) gets its own ``HCCL_IF_BASE_PORT``
   window: a communicator's root takes 32 ports from the base (CANN 9.0), and two jobs on one host
   with the same base fail to bind them (EJ0003);
@@ -44,22 +44,18 @@ Weight transport: ``weight_transport`` resolved exactly as the rollout config re
 transport's group is trainer rank 0 (it exports the weights) plus every engine worker. IPC
 transports hand over node-local memory handles, so they need every engine on trainer rank 0's node.
 
-Modules: :mod:`.model` (the dataclasses and the recipe keys errors name), :mod:`.allocate` (the
-planner: :func:`plan`, :func:`plan_recipe`), :mod:`.describe` (:func:`describe_cluster`,
-:func:`render`); everything public is importable from here.
+Modules: :mod:`.model` (the dataclasses and the recipe keys errors name), :mod:`.env` (the names
+of the environment variables the plan writes for its engines), :mod:`.allocate` (the planner:
+:func:`plan`, :func:`plan_recipe`), :mod:`.describe` (:func:`describe_cluster`, :func:`render`);
+everything public is importable from here.
 
-The Ray launcher starts a plan on a Ray cluster (``areal-npu train RECIPE --launcher ray``, or
-``python -m areal_npu.placement.ray_launch``); its modules are not imported from here, and only
-they import Ray: :mod:`.ray_bundles` (pure: a plan as placement groups, one bundle per process, and
-the cluster ``ray.nodes()`` describes), :mod:`.ray_launch` (the entry: reserve the groups, start
-the trainer ranks as actors, wait, tear down), :mod:`.ray_actors` (what runs in the actors: a
-trainer rank's process group, an engine's :class:`~areal_npu.rollout.launcher.EngineProcess`, and
-the per-process reports), :mod:`.ray_engines` (trainer rank 0 starts the engines in their bundles)
-and :mod:`.ray_child` (ends a rank's session when its actor dies).
+Starting the processes of a plan (locally, under torchrun, on a Ray cluster) is
+:mod:`areal_npu.launch`'s job; nothing here imports it.
 """
 
 from areal_npu.placement.allocate import plan, plan_recipe
 from areal_npu.placement.describe import describe_cluster, render
+from areal_npu.placement.env import ENGINE_CPUS_ENV, OMP_BIND_ENV
 from areal_npu.placement.model import (
     ENGINE_TP_KEY,
     ENGINES_KEY,
@@ -76,12 +72,14 @@ from areal_npu.placement.model import (
 )
 
 __all__ = [
+    "ENGINE_CPUS_ENV",
     "ENGINES_KEY",
     "ENGINE_TP_KEY",
     "HCCL_MAX_BASE_PORT",
     "HCCL_PORT_WINDOW",
     "IFNAME_VARS",
     "IPC_TRANSPORTS",
+    "OMP_BIND_ENV",
     "TRAINER_KEYS",
     "TRANSPORT_KEY",
     "Cluster",

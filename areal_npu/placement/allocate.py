@@ -10,6 +10,7 @@ from typing import Any
 
 from areal_npu import platform as plat
 from areal_npu.config import ConfigError
+from areal_npu.placement.env import ENGINE_CPUS_ENV, OMP_BIND_ENV
 from areal_npu.placement.model import (
     ENGINE_TP_KEY,
     ENGINES_KEY,
@@ -23,7 +24,6 @@ from areal_npu.placement.model import (
     ProcessPlan,
     TrainerLayout,
 )
-from areal_npu.rollout.launcher import ENGINE_CPUS_ENV
 
 
 class _Cursor:
@@ -163,7 +163,7 @@ def plan(trainer: TrainerLayout, rollout, cluster: Cluster) -> Plan:
         if hccl is not None:
             env.update(hccl.next({node}))
         if kind == "cpu":
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, ds)) for ds in per_rank)
+            env[OMP_BIND_ENV] = "|".join(",".join(map(str, ds)) for ds in per_rank)
             env[ENGINE_CPUS_ENV] = ",".join(map(str, devices))
         host = cluster.addr(node) if multi_node else rollout.host
         port = rollout.base_port + index if rollout.base_port else None

@@ -1,48 +1,16 @@
-"""Size-bounded buckets of named tensors for weight sync, and their wire format.
+"""The wire format of a weight bucket, and which tensors go to the drafter.
 
-A bucket is a list of ``(name, tensor)`` whose total byte size stays within ``max_bytes``; a single
-tensor larger than the bound travels alone in its own bucket (it cannot be split without the
-receiver knowing how to reassemble it). Every tensor lands in exactly one bucket, in input order,
-so a layer's tensors stay together (vLLM's layer-wise reload processes a layer once all of its
-tensors have arrived).
-
-Wire format: safetensors bytes (no pickle of tensors; names and dtypes survive exactly).
+A bucket (a list of ``(name, tensor)``, sized by :func:`areal_npu.data.buckets.iter_buckets`) travels
+as safetensors bytes: no pickle of tensors; names and dtypes survive exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
-MTP_PREFIX = "mtp."
-
-
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Greedy in-order bucketing: each bucket's total ``<= max_bytes`` unless it holds one oversized tensor."""
-    if max_bytes <= 0:
-        raise ValueError(f"max_bytes must be > 0; got {max_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    seen: set[str] = set()
-    for name, tensor in named_tensors:
-        if name in seen:
-            raise ValueError(f"tensor {name!r} appears twice")
-        seen.add(name)
-        nbytes = tensor_bytes(tensor)
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+from areal_npu.names import MTP_PREFIX
 
 
 def split_policy_and_draft(

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from areal_npu import names
+from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
 from areal_npu.rollout import guard
-from areal_npu.rollout.buckets import iter_buckets, pack_bucket, split_policy_and_draft
-from areal_npu.spec.acceptance import SpecCounters, SpecMetricsTracker
+from areal_npu.rollout.buckets import pack_bucket, split_policy_and_draft
+from areal_npu.speculation.acceptance import SpecCounters, SpecMetricsTracker
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class RolloutClient:
         request_timeout_s: float = 600.0,
         max_retries: int = 2,
         restart_on_failure: bool = True,
-        bucket_bytes: int = 256 << 20,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         on_restart: Callable[[int], Awaitable[None]] | None = None,
         secret: str | None = None,
         http_transport=None,  # an httpx transport (tests)

@@ -18,7 +18,7 @@ CPU; the code path is the same for all three, which is how the CPU tests cover t
   over HTTP and cuts the buffer back into named tensors (:func:`unflatten`) without copies.
 
 Device packages are imported only for their backend (``torch_npu`` for ``hccl``, through
-``platform.import_torch_npu``). Only gloo ran here; nccl and hccl are the same calls with the backend's
+``platform.hccl_process_group_class``). Only gloo ran here; nccl and hccl are the same calls with the backend's
 own process-group class, and have not run.
 """
 
@@ -139,15 +139,12 @@ def join_group(info: GroupInfo, rank: int, local_addr: str, listen: socket.socke
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, info.world_size, opts)
     if info.backend == "hccl":
-        import importlib
+        from areal_npu.platform import hccl_process_group_class
 
-        from areal_npu.platform import import_torch_npu
-
-        import_torch_npu()  # registers HCCL; only on Ascend (the device seam)
-        c10d = importlib.import_module("torch_npu._C._distributed_c10d")
-        opts = c10d.ProcessGroupHCCL.Options()
+        hccl = hccl_process_group_class()  # only on Ascend (the device seam)
+        opts = hccl.Options()
         opts._timeout = timeout
-        return c10d.ProcessGroupHCCL(store, rank, info.world_size, opts)
+        return hccl(store, rank, info.world_size, opts)
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {info.backend!r}")
 
 

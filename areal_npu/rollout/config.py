@@ -1,7 +1,9 @@
-"""Typed configuration of the rollout engines: vLLM engine settings plus speculative decoding.
+"""Typed configuration of the rollout engines: vLLM engine settings; ``spec`` is speculative
+decoding's own config (:class:`areal_npu.speculation.config.SpecConfig`).
 
 Validated before any process starts (``validate()`` raises ``ValueError`` / ``ConfigError`` whose
-message starts with the field name). Known limits enforced here, each with the reason:
+message starts with the field name). Known limits enforced here (what speculation alone cannot
+check: the device, sampling, the installed vLLM), each with the reason:
 
 * Ascend's fused attention verifies at most 16 tokens per decode step: ``k + 1 <= 16`` on NPU.
 * ``top_k`` together with any speculative method kills the vLLM 0.32 engine on CPU (empty ``max()``
@@ -21,28 +23,16 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_npu.compat.vllm import features as vllm_version
 from areal_npu.config import ConfigError
+from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES
 from areal_npu.rollout import vllm_features
+from areal_npu.speculation.config import ASCEND_MAX_VERIFY_TOKENS, SpecConfig
 
-#: Methods vLLM accepts that draft from the model's own multi-token-prediction layers.
-#: Model-specific names normalise to ``mtp`` inside vLLM (checked against vLLM in the tests).
-MTP_ALIASES = (
-    "mtp",
-    "qwen3_5_mtp",
-    "qwen3_next_mtp",
-    "deepseek_mtp",
-    "mimo_mtp",
-    "glm4_moe_mtp",
-    "ernie_mtp",
-    "longcat_flash_mtp",
-    "pangu_ultra_moe_mtp",
-)
-DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3")
-SPEC_METHODS = (*MTP_ALIASES, *DRAFT_MODEL_METHODS, "ngram")
 PER_REQUEST_METRICS = ("none", "summary", "detailed")
 WEIGHT_TRANSPORTS = ("auto", "rpc", "hccl", "nccl", "gloo")
 #: transports of vLLM's own weight-transfer engines, which the training loop does not drive
@@ -50,115 +40,6 @@ UNWIRED_TRANSPORTS = ("npu_ipc", "cuda_ipc")
 #: every transport a device family has (a broadcast's backend is the device's collective)
 TRANSPORTS_ON = {"cpu": ("rpc", "gloo"), "npu": ("rpc", "hccl"), "cuda": ("rpc", "nccl")}
 WILDCARD_HOSTS = ("0.0.0.0", "::", "", "*")
-ASCEND_MAX_VERIFY_TOKENS = 16
-
-
-@dataclass
-class SpecConfig:
-    """Speculative decoding. ``method=None`` (or ``num_speculative_tokens=0``) switches it off."""
-
-    method: str | None = None  # one of SPEC_METHODS
-    num_speculative_tokens: int = 0  # k drafts per verify step
-    draft_model: str | None = None  # path, for draft_model / eagle / eagle3
-    draft_enforce_eager: bool = True  # no graph capture for the drafter
-    # Set by the trainer, not in recipes: the directory vLLM loads an MTP drafter from when it is not
-    # the policy checkpoint (a dense Qwen3 policy with our head: areal_npu/compat/vllm/dense_mtp.py).
-    mtp_draft_dir: str | None = None
-    # The MTP head is trained with the policy: weight updates carry mtp.* too. False = frozen head:
-    # the drafter is loaded once from the checkpoint and never touched. A recipe resolves it to what
-    # is actually synced (false unless the drafter is our MTP head and it trains; areal_npu/recipe.py).
-    sync_draft: bool = True
-    prompt_lookup_max: int = 4  # ngram only
-    prompt_lookup_min: int = 2  # ngram only
-    # Adaptive draft length (areal_npu.spec.policy): num_speculative_tokens becomes the deepest k
-    # tried; the trainer changes k between steps (0 = off) from measured acceptance and tokens/s.
-    adaptive: bool = False
-    adapt: dict[str, Any] = field(default_factory=dict)  # SpecAdaptConfig fields (k_max is set here)
-    # At k = 0 vLLM still runs the drafter (to keep its KV cache complete), a rejection-sampler
-    # pass and a draft-token fetch; we skip them (areal_npu/compat/vllm/spec_off.py). True keeps
-    # vLLM's behaviour.
-    off_keeps_drafter_kv: bool = False
-
-    @property
-    def enabled(self) -> bool:
-        return self.method is not None and self.num_speculative_tokens > 0
-
-    @property
-    def is_mtp(self) -> bool:
-        return self.method in MTP_ALIASES
-
-    def validate(self) -> None:
-        if self.method is not None and self.method not in SPEC_METHODS:
-            raise ValueError(
-                f"method {self.method!r} is not a known speculative method; valid: "
-                f"{', '.join(SPEC_METHODS)} (or null to switch speculation off)"
-            )
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0; got {self.num_speculative_tokens}")
-        if self.method is not None and self.num_speculative_tokens == 0:
-            raise ValueError(f"num_speculative_tokens must be >= 1 when method is {self.method!r}")
-        if self.method in DRAFT_MODEL_METHODS and not self.draft_model:
-            raise ValueError(f"draft_model (a path) is required for method {self.method!r}")
-        if self.draft_model and self.method not in DRAFT_MODEL_METHODS:
-            raise ValueError(
-                f"draft_model is only used by {', '.join(DRAFT_MODEL_METHODS)}; method is {self.method!r}"
-            )
-        if self.mtp_draft_dir and not self.is_mtp:
-            raise ValueError(f"mtp_draft_dir is only used by MTP methods; method is {self.method!r}")
-        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("prompt_lookup_min must be in [1, prompt_lookup_max]")
-        if self.adaptive:
-            if not self.enabled:
-                raise ConfigError("adaptive", "adaptive speculation needs spec.method and num_speculative_tokens >= 1")
-            if not self.is_mtp:
-                raise ConfigError(
-                    "adaptive",
-                    f"method {self.method!r}: adaptive draft length is built and tested for MTP drafters only",
-                )
-            self.adapt_config()
-            # runtime k is vLLM's dynamic speculative-decoding table (spec/k_driver.py)
-            vllm_features.require("dynamic_spec_tokens", "adaptive", "adaptive draft length (runtime k)")
-        elif self.adapt:
-            raise ConfigError("adapt", "is only read when adaptive is true")
-
-    def adapt_config(self):
-        """The adaptive policy's settings: ``adapt`` overrides, ``k_max`` = num_speculative_tokens."""
-        from areal_npu.spec.policy import SpecAdaptConfig
-
-        known = {f.name for f in fields(SpecAdaptConfig)}
-        unknown = sorted(set(self.adapt) - known)
-        if unknown:
-            raise ConfigError(f"adapt.{unknown[0]}", f"unknown key; valid: {', '.join(sorted(known))}")
-        if "k_max" in self.adapt:
-            raise ConfigError("adapt.k_max", "set spec.num_speculative_tokens instead (it is k_max)")
-        values = {"k_init": min(2, self.num_speculative_tokens), **self.adapt, "k_max": self.num_speculative_tokens}
-        try:
-            return SpecAdaptConfig(**values).validate()
-        except (TypeError, ValueError) as exc:
-            name = str(exc).split(":")[0]
-            raise ConfigError(f"adapt.{name}" if name in known else "adapt", str(exc)) from None
-
-    def vllm_dict(self) -> dict[str, Any] | None:
-        """The ``speculative_config`` vLLM takes, or None when speculation is off."""
-        if not self.enabled:
-            return None
-        out: dict[str, Any] = {
-            "method": self.method,
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "enforce_eager": self.draft_enforce_eager,
-        }
-        if self.draft_model:
-            out["model"] = self.draft_model
-        if self.mtp_draft_dir:
-            out["model"] = self.mtp_draft_dir
-        if self.method == "ngram":
-            out["prompt_lookup_max"] = self.prompt_lookup_max
-            out["prompt_lookup_min"] = self.prompt_lookup_min
-        if self.adaptive:
-            from areal_npu.spec.k_driver import dynamic_table
-
-            out["num_speculative_tokens_per_batch_size"] = dynamic_table(self.adapt_config().k_init)
-        return out
 
 
 @dataclass
@@ -188,7 +69,7 @@ class RolloutConfig:
     restart_on_failure: bool = True
     # auto (hccl on NPU, nccl on CUDA, rpc on CPU) | rpc (HTTP buckets) | hccl | nccl | gloo (broadcast)
     weight_transport: str = "auto"
-    weight_bucket_bytes: int = 256 << 20
+    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     # a step's weight sync is tried again this often (failed engines restarted and re-synced), then the run stops with a checkpoint
     weight_sync_retries: int = 2
     log_dir: str = ""  # engine logs; "" = a temporary directory
@@ -239,6 +120,9 @@ class RolloutConfig:
                 "(127.0.0.1 on one node; across nodes the node's address, as the plan gives it)",
             )
         self.spec.validate()
+        if self.spec.adaptive:
+            # runtime k is vLLM's dynamic speculative-decoding table (speculation/k_driver.py)
+            vllm_features.require("dynamic_spec_tokens", "spec.adaptive", "adaptive draft length (runtime k)")
         if self.spec.enabled and self.top_k > 0:
             raise ConfigError(
                 "top_k",
@@ -284,10 +168,10 @@ class RolloutConfig:
         spec = self.spec.vllm_dict()
         if spec is not None:
             args += ["--speculative-config", json.dumps(spec)]
-            if vllm_features.has("per_request_spec_metrics"):  # else samples' "spec" is null (server.py)
+            if vllm_version.has("per_request_spec_metrics"):  # else samples' "spec" is null (generation_routes.py)
                 args += ["--per-request-spec-decode-metrics", "summary"]
             if self.spec.adaptive:
-                args += ["--scheduler-cls", "areal_npu.spec.k_driver.runtime_k_scheduler"]
+                args += ["--scheduler-cls", "areal_npu.speculation.k_driver.runtime_k_scheduler"]
         from areal_npu.compat.vllm import v023_gdn_state
 
         args += v023_gdn_state.engine_args(self.device_type(), self.extra_engine_args)

@@ -34,8 +34,9 @@ from typing import Any, Protocol
 
 import torch
 
+from areal_npu.data.buckets import iter_buckets
 from areal_npu.rollout import collective
-from areal_npu.rollout.buckets import iter_buckets, split_policy_and_draft
+from areal_npu.rollout.buckets import split_policy_and_draft
 from areal_npu.rollout.client import EngineFailure, WeightSyncError
 
 #: transports the training loop drives

@@ -14,14 +14,14 @@ vLLM 0.32; the model runner's ``drafter.model`` on 0.23, which has the same laye
 from __future__ import annotations
 
 from areal_npu.compat.vllm import cpu_mamba, cpu_sampling, spec_off
-from areal_npu.rollout import vllm_features
+from areal_npu.compat.vllm import features as vllm_version
 
 # vLLM imports this class in each worker right after registering its CPU kernel overrides: the
 # moment to replace the broken one (see areal_npu/compat/vllm/cpu_sampling.py).
 cpu_sampling.apply()
 # adaptive speculation: no drafter forward while k = 0 (only when the server asked for it)
 spec_off.apply()
-if vllm_features.has("cpu_kernel_registry"):  # registers through 0.32's kernel registry (0.23 has none)
+if vllm_version.has("cpu_kernel_registry"):  # registers through 0.32's kernel registry (0.23 has none)
     cpu_mamba.apply()  # hybrid + speculation + prefix caching on the CPU (compat/vllm/cpu_mamba.py)
 
 TARGETS = ("policy", "draft")
@@ -45,7 +45,7 @@ class WeightSyncExtension:
         """The drafter's ``nn.Module`` (None without one). vLLM 0.32 exposes it as
         ``get_draft_model()``; 0.23 does not, and its weight-transfer engines load the target only
         (vLLM-Ascend 0.23 likewise), so we take it from the model runner's proposer, as 0.32's accessor does."""
-        if vllm_features.has("draft_model_accessor"):
+        if vllm_version.has("draft_model_accessor"):
             return self.get_draft_model()
         drafter = getattr(self.model_runner, "drafter", None)  # absent when speculation is off
         model = getattr(drafter, "model", None)

@@ -11,7 +11,7 @@ One step on a micro-batch of sequences ``x_j`` (with loss masks ``m_j``, default
 Standalone (no train engine, no ``torch.distributed``): the MTP tests use it to train a head vLLM
 then drafts from, ``scripts/bench_rollout.py`` for its trained drafter, ``scripts/bench_mtp.py`` for
 the next-token loss. ``areal-npu train`` warm-starts through the train engine instead
-(:mod:`areal_npu.train.warmstart`).
+(:mod:`areal_npu.warmstart`).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def sft_warm_start(
             loss = None
         if mode != "mtp_only":
             sft, _ = next_token_loss(logits, batch, loss_mask)
-            row["sft/loss"] = float(sft.detach())
+            row[names.SFT_LOSS] = float(sft.detach())
             loss = sft if loss is None else sft + loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

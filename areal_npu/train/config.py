@@ -15,12 +15,30 @@ from dataclasses import dataclass, field
 
 from areal_npu.config import ConfigError
 from areal_npu.data.packing import PackingConfig
-from areal_npu.train.megatron.config import MegatronLayoutConfig
 from areal_npu.train.optim import OptimConfig
 
-__all__ = ["BACKENDS", "TrainEngineConfig"]
+__all__ = ["BACKENDS", "MegatronLayoutConfig", "TrainEngineConfig"]
 
 BACKENDS = ("fsdp2", "megatron")
+
+
+@dataclass
+class MegatronLayoutConfig:
+    """The Megatron-Core engine's parallel layout (``train.backend: megatron``); world = dp * tp * cp * pp."""
+
+    tp_size: int = 1  # tensor-parallel ranks: attention heads, FFN and vocabulary sharded over them
+    cp_size: int = 1  # context-parallel ranks: every packed sequence split zigzag over them
+    pp_size: int = 1  # pipeline stages: decoder layers split evenly over them (1F1B schedule)
+    sequence_parallel: bool = (
+        False  # activations outside attention/FFN sharded over TP (needs tp_size >= 2, cp_size 1)
+    )
+
+    def validate(self) -> None:
+        for key in ("tp_size", "cp_size", "pp_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(key, f"must be an int >= 1, got {value!r}")
+
 
 
 @dataclass
@@ -38,7 +56,7 @@ class TrainEngineConfig:
     gradient_checkpointing: bool = False  # recompute each decoder layer (policy and MTP head) in backward
     ppo_minibatches: int = 1  # optimizer steps per train step (PPO mini-batches); the version bumps once
     optim: OptimConfig = field(default_factory=OptimConfig)
-    packing: PackingConfig = field(default_factory=lambda: PackingConfig(max_tokens_per_mb=8192))
+    packing: PackingConfig = field(default_factory=PackingConfig)
     megatron: MegatronLayoutConfig = field(default_factory=MegatronLayoutConfig)
 
     def pre_validate(self) -> None:

@@ -28,7 +28,8 @@ def build_engine(
         lm, head, layout = load_for_training(checkpoint, mtp)
         return FSDPEngine(lm, head, train, mtp, pad_token_id=pad_token_id, layout=layout)
     if train.backend == "megatron":
-        from areal_npu.train.megatron.engine import MegatronEngine, check_mtp
+        from areal_npu.train.megatron.engine import MegatronEngine
+        from areal_npu.train.megatron.mtp import check_mtp
 
         check_mtp(mtp, train.megatron.pp_size)  # before loading anything
         lm, head, layout = load_for_training(checkpoint, mtp)  # either layout: the text LM trains
@@ -66,8 +67,8 @@ def check_trainer(cfg) -> None:
     if train.backend != "megatron":
         return
     from areal_npu.train.megatron.config import check_loss_layout, check_megatron_config
-    from areal_npu.train.megatron.engine import check_mtp
     from areal_npu.train.megatron.model import check_layout, check_supported
+    from areal_npu.train.megatron.mtp import check_mtp
 
     hf = _model_hf_config(cfg.model)
     try:

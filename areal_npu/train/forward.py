@@ -1,9 +1,10 @@
 """What one packed micro-batch holds and computes.
 
 :func:`prediction_fields` (both engines): a micro-batch's samples shifted to prediction alignment and
-packed. :class:`MicroBatch` and :class:`PolicyWithMTP` (the FSDP2 engine): the batch on the device,
-and the single FSDP root holding the causal LM and its MTP head together, so the shared embedding
-and output head are unsharded whenever the forward touches them.
+packed. :class:`MTPArgs` (both engines): what the MTP head's loss takes for one micro-batch.
+:class:`MicroBatch` and :class:`PolicyWithMTP` (the FSDP2 engine): the batch on the device, and the
+single FSDP root holding the causal LM and its MTP head together, so the shared embedding and output
+head are unsharded whenever the forward touches them.
 """
 
 from __future__ import annotations
@@ -18,10 +19,22 @@ from areal_npu.data.packed_layout import PackedBatch, pack_per_token
 from areal_npu.data.sample import TrainSample
 from areal_npu.kernels.logprobs import chunked_logprobs_entropy
 from areal_npu.model.mtp_loss import mtp_loss
+from areal_npu.model.mtp_targets import MTPTargets
 from areal_npu.train.losses import Loss
 
 #: the target of positions that predict nothing (a segment's last token, padding)
 IGNORE = -100
+
+
+@dataclass
+class MTPArgs:
+    """The MTP head's loss arguments for one micro-batch: its targets (on the device), the weight
+    of the head's loss (``mtp.loss_scale``) and the global per-depth counts of target tokens, summed
+    over micro-batches and data-parallel ranks, so the micro-batches' losses add up to the step's."""
+
+    targets: MTPTargets
+    loss_scale: float
+    counts: list[int] | None = None  # None: this micro-batch's own counts
 
 
 class PolicyWithMTP(nn.Module):
@@ -33,7 +46,7 @@ class PolicyWithMTP(nn.Module):
         self.lm = lm
         self.mtp = mtp
 
-    def forward(self, batch: MicroBatch, chunk_size: int, temperature: float, mtp_args: dict | None):
+    def forward(self, batch: MicroBatch, chunk_size: int, temperature: float, mtp_args: MTPArgs | None):
         cu = batch.cu_seqlens
         kwargs = dict(
             cu_seq_lens_q=cu,
@@ -52,7 +65,7 @@ class PolicyWithMTP(nn.Module):
         logp, entropy = logp.clone(), entropy.clone()
         if mtp_args is None or self.mtp is None:
             return logp, entropy, None, {}
-        targets = mtp_args["targets"]
+        targets = mtp_args.targets
         mtp_hidden = self.mtp(
             hidden,
             targets.embed_ids,
@@ -62,7 +75,7 @@ class PolicyWithMTP(nn.Module):
             max_seqlen=batch.max_seqlen,
         )
         loss, stats = mtp_loss(
-            mtp_hidden, head, targets, mtp_args["loss_scale"], mtp_args["counts"], chunk_size=chunk_size
+            mtp_hidden, head, targets, mtp_args.loss_scale, mtp_args.counts, chunk_size=chunk_size
         )
         return logp, entropy, loss, stats
 

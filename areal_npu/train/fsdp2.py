@@ -1,17 +1,15 @@
 """The FSDP2 train engine: packed micro-batches, a loss object (decoupled PPO or SFT) + MTP loss,
 bucketed export. It implements :class:`areal_npu.train.protocol.TrainEngine`.
 
-Inputs are token-aligned samples (:class:`areal_npu.data.sample.TrainSample`); inside, every
-sequence is shifted to prediction alignment (position t predicts token t+1) *before* packing, so no
-target ever crosses a packed segment. Losses are normalised by global counts summed over
-micro-batches and data-parallel ranks, so micro-batching and sharding never change the step.
-Checkpoints: :mod:`areal_npu.train.fsdp2_checkpoint`.
+Inputs are token-aligned samples (:class:`areal_npu.data.sample.TrainSample`). What both engines
+share -- the cap, packing, the step's counts, loss and stats -- is :class:`areal_npu.train.base.TrainEngineBase`;
+here: the sharded model, its forward per micro-batch, the MTP head's targets, the optimizer step, the
+export. Checkpoints: :mod:`areal_npu.train.fsdp2_checkpoint`.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -19,22 +17,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_npu.algo.guard import NonFiniteError
-from areal_npu.data.packed_layout import pack_per_token, pack_sequences, unpack_per_token
-from areal_npu.data.packing import packing_stats, plan_micro_batches
-from areal_npu.data.sample import TrainSample, truncate_sample
+from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES, iter_kind_buckets
+from areal_npu.data.packed_layout import pack_per_token
 from areal_npu.model.layout import TEXT, CheckpointLayout
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.mtp_params import apply_mtp_mode, mtp_mode
 from areal_npu.model.mtp_targets import build_mtp_targets
 from areal_npu.model.packed import enable_packed_attention
+from areal_npu.names import MTP_PREFIX
 from areal_npu.platform import current_platform
+from areal_npu.train.base import TrainEngineBase, check_export_kinds, optimizer_stats, refuse_non_finite
 from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import all_reduce_sum
-from areal_npu.train.forward import IGNORE, MicroBatch, PolicyWithMTP, prediction_fields
-from areal_npu.train.losses import Loss
+from areal_npu.train.forward import IGNORE, MicroBatch, MTPArgs, PolicyWithMTP
 from areal_npu.train.optim import build_optimizer
-from areal_npu.train.stats import merge_stats, minibatch_train_step
 
 __all__ = ["FSDPEngine", "enable_activation_checkpointing"]
 
@@ -67,7 +63,7 @@ def enable_activation_checkpointing(lm: nn.Module, mtp: nn.Module | None) -> Non
         layer.training = True
 
 
-class FSDPEngine:
+class FSDPEngine(TrainEngineBase):
     """Trains a transformers causal LM (+ MTP head) with FSDP2 over the platform's backend.
 
     ``layout`` is the checkpoint layout the model came from (:func:`areal_npu.model.layout.load_for_training`
@@ -86,6 +82,7 @@ class FSDPEngine:
         pad_token_id: int = 0,
         layout: CheckpointLayout | None = None,
     ):
+        """``mtp_config``: a validated config (the recipe's ``mtp``); default the head as given."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         config.validate()
@@ -99,7 +96,6 @@ class FSDPEngine:
         self.layout = layout or CheckpointLayout(TEXT)
         self.config = config
         self.mtp_config = mtp_config or MTPConfig(enabled=mtp is not None, train=mtp is not None)
-        self.mtp_config.validate()
         self.pad_token_id = pad_token_id
         self.platform = current_platform()
         self.device = self.platform.current_device()
@@ -130,9 +126,9 @@ class FSDPEngine:
         trainable = {("lm." + n) for n, _ in groups.policy} | {n for n, _ in groups.mtp}
         named = dict(self.module.named_parameters())
         param_groups = [
-            {"params": [named[n] for n in sorted(trainable) if not n.startswith("mtp.")]},
+            {"params": [named[n] for n in sorted(trainable) if not n.startswith(MTP_PREFIX)]},
             {
-                "params": [named[n] for n in sorted(trainable) if n.startswith("mtp.")],
+                "params": [named[n] for n in sorted(trainable) if n.startswith(MTP_PREFIX)],
                 "lr": config.optim.lr * groups.mtp_lr_scale,
             },
         ]
@@ -140,41 +136,31 @@ class FSDPEngine:
             [g for g in param_groups if g["params"]], config.optim
         )
 
-    # ---- batching -------------------------------------------------------------------------------
-    def _fit_cap(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
-        """``on_too_long="truncate"``: every sample keeps its first ``max_tokens_per_mb`` tokens
-        (all per-token fields alike), so planner, packed layout, loss and MTP labels see the same
-        tokens. ``"error"``: unchanged; the planner refuses a sequence over the cap."""
-        if self.config.packing.on_too_long != "truncate":
-            return list(samples)
-        return [truncate_sample(s, self.config.packing.max_tokens_per_mb) for s in samples]
+    # ---- the steps the base leaves to the engine -------------------------------------------------
+    def _to_device(self, packed, fields) -> MicroBatch:
+        return MicroBatch.on(packed, fields, self.device)
 
-    def _micro_batches(self, samples: Sequence[TrainSample], loss: Loss | None) -> tuple[list, list, dict]:
-        """(plan, packed micro-batches on the device, packing stats); the fields of ``loss``
-        (none: the targets only) packed prediction-aligned."""
-        lengths = [len(s) for s in samples]
-        plan = plan_micro_batches(lengths, self.config.packing, group=None)
-        mbs = []
-        pad_total = 0
-        for indices in plan:
-            seqs = [samples[i] for i in indices]
-            packed = pack_sequences(
-                [s.input_ids for s in seqs],
-                alignment=self.config.packing.alignment,
-                pad_token_id=self.pad_token_id,
-                sample_indices=indices,
-            )
-            pad_total += packed.pad_tokens
-            mbs.append(MicroBatch.on(packed, prediction_fields(seqs, packed, loss), self.device))
-        stats = packing_stats(
-            lengths, [p for p in plan if p], self.config.packing.max_tokens_per_mb, pad_total
-        )
-        return plan, mbs, stats
+    def _loss_cu_seqlens(self, mb: MicroBatch) -> torch.Tensor:
+        return mb.cu_seqlens
 
-    def _mtp_args(self, mb: MicroBatch, token_masks: list[torch.Tensor]) -> dict | None:
-        """The MTP head's targets for ``mb``; ``token_masks``: its samples' token-aligned loss masks."""
-        if self.mtp is None:
-            return None
+    def _packed_logprobs(self, mbs: list[MicroBatch]):
+        for mb in mbs:
+            logp, _, _, _ = self.module(mb, self.config.logprob_chunk_size, self.config.temperature, None)
+            yield mb.packed, logp.float().cpu()
+
+    def _mtp_args(self, plan, mbs: list[MicroBatch], samples) -> list[MTPArgs | None]:
+        """The MTP head's targets per micro-batch (from its samples' token-aligned loss masks) and
+        the global per-depth counts; none unless the head trains."""
+        if self.mtp is None or mtp_mode(self.mtp_config) not in ("joint", "mtp_only"):
+            return [None] * len(mbs)
+        args = [self._mtp_targets(mb, [samples[i].loss_mask for i in indices]) for indices, mb in zip(plan, mbs)]
+        local = [sum(a.targets.valid_counts()[d] for a in args) for d in range(self.mtp_config.num_depths)]
+        counts = [int(c) for c in all_reduce_sum([float(c) for c in local])]
+        for a in args:
+            a.counts = counts
+        return args
+
+    def _mtp_targets(self, mb: MicroBatch, token_masks: list[torch.Tensor]) -> MTPArgs:
         packed = mb.packed
         # token-aligned loss mask over prompt + response ids, as the policy's (packed without shift)
         mask = pack_per_token([s.to(torch.bool) for s in token_masks], packed, False)
@@ -188,88 +174,23 @@ class FSDPEngine:
             IGNORE,
         )
         targets.embed_ids, targets.labels = targets.embed_ids.to(self.device), targets.labels.to(self.device)
-        return {"targets": targets, "loss_scale": self.mtp_config.loss_scale, "counts": None}
+        return MTPArgs(targets, self.mtp_config.loss_scale)
 
-    # ---- public operations ----------------------------------------------------------------------
-    @torch.no_grad()
-    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
-        """Token-aligned log-probs of every sample under the current weights (position 0 is 0).
-
-        With ``on_too_long="truncate"`` a sample over the cap gets log-probs for its first
-        ``max_tokens_per_mb`` tokens only: the tokens the train step trains on."""
-        samples = self._fit_cap(samples)
-        plan, mbs, _ = self._micro_batches(samples, None)
-        out: list[torch.Tensor | None] = [None] * len(samples)
-        for indices, mb in zip(plan, mbs):
-            logp, _, _, _ = self.module(mb, self.config.logprob_chunk_size, self.config.temperature, None)
-            for i, pred in zip(indices, unpack_per_token(logp.float().cpu(), mb.packed)):
-                out[i] = torch.cat([pred.new_zeros(1), pred[:-1]])  # prediction -> token alignment
-        return out
-
-    def train_step(
-        self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
-    ) -> dict[str, float]:
-        """One training step on this rank's ``samples``: ``ppo_minibatches`` optimizer steps over
-        interleaved slices (each normalised by its own global counts), one weight-version bump.
-        Returns global stats (see :meth:`forward_backward`), averaged over the mini-batches."""
-        return minibatch_train_step(self, samples, loss, step, self.config.ppo_minibatches)
-
-    def forward_backward(
-        self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
-    ) -> dict[str, float]:
-        """Accumulate the gradients of one step over packed micro-batches; returns global stats.
-
-        ``loss`` (:class:`areal_npu.train.losses.PPOLoss`, :class:`~areal_npu.train.losses.SFTLoss`)
-        says which sample fields it reads and computes each micro-batch's loss; the MTP auxiliary
-        loss is added when the head trains.
-        """
-        step = self.version if step is None else step
-        cap = self.config.packing.max_tokens_per_mb
-        truncated = sum(len(s) > cap for s in samples)  # local, like packing/*
-        samples = loss.check(self._fit_cap(samples), step)
-        plan, mbs, pack_stats = self._micro_batches(samples, loss)
-
-        n_tokens = all_reduce_sum([float(sum(int(mb.fields["loss_mask"].sum()) for mb in mbs))])[0]
-        n_seqs = all_reduce_sum([float(sum(bool(s.loss_mask[1:].any()) for s in samples))])[0]
-        denominator = loss.denominator(n_tokens, n_seqs)
-        mtp_args_per_mb = [None] * len(mbs)
-        if self.mtp is not None and mtp_mode(self.mtp_config) in ("joint", "mtp_only"):
-            mtp_args_per_mb = [
-                self._mtp_args(mb, [samples[i].loss_mask for i in indices]) for indices, mb in zip(plan, mbs)
-            ]
-            local = [
-                sum(a["targets"].valid_counts()[d] for a in mtp_args_per_mb)
-                for d in range(self.mtp_config.num_depths)
-            ]
-            mtp_counts = [int(c) for c in all_reduce_sum([float(c) for c in local])]
-            for a in mtp_args_per_mb:
-                a["counts"] = mtp_counts
+    def _accumulate(self, mbs: list[MicroBatch], mtp_args, mb_loss) -> list:
         world = dist.get_world_size()
-        policy_trains = mtp_mode(self.mtp_config) != "mtp_only"
-
         self.optimizer.zero_grad(set_to_none=True)
         per_mb_stats = []
         for i, mb in enumerate(mbs):
-            last = i == len(mbs) - 1
-            self.module.set_requires_gradient_sync(last)
+            self.module.set_requires_gradient_sync(i == len(mbs) - 1)
             logp, entropy, aux, aux_stats = self.module(
-                mb, self.config.logprob_chunk_size, self.config.temperature, mtp_args_per_mb[i]
+                mb, self.config.logprob_chunk_size, self.config.temperature, mtp_args[i]
             )
-            main, stats = loss(
-                logp, entropy, mb.fields, denominator=denominator, cu_seqlens=mb.cu_seqlens, policy_version=self.version
-            )
-            total = (main if policy_trains else main.detach() * 0) + (aux if aux is not None else 0.0)
+            total, result = mb_loss(mb, logp, entropy, aux, aux_stats)
             # FSDP averages gradients over ranks; the loss is already a global mean, so undo that.
             (total * world).backward()
-            stats.update(aux_stats)
-            per_mb_stats.append((float(mb.fields["loss_mask"].sum()), stats))
+            per_mb_stats.append(result)
         self.module.set_requires_gradient_sync(True)
-        stats = merge_stats(per_mb_stats)
-        stats.update(pack_stats)
-        if self.config.packing.on_too_long == "truncate":
-            stats["packing/truncated_sequences"] = float(truncated)
-        stats["train/n_tokens"] = n_tokens
-        return stats
+        return per_mb_stats
 
     def optimizer_step(self, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
         """Clip, check and apply the accumulated gradients; bumps the weight version."""
@@ -281,21 +202,12 @@ class FSDPEngine:
         for group in self.optimizer.param_groups:
             norm = torch.nn.utils.clip_grad_norm_(group["params"], clip if clip > 0 else float("inf"))
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-        grad_norm = norms[0]
-        if not all(math.isfinite(n) for n in norms):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(
-                step, "grad_norm", f"step {step}: gradient norms {norms}; update not applied"
-            )
+        refuse_non_finite(norms, step, lambda: self.optimizer.zero_grad(set_to_none=True))
         self.optimizer.step()
         self.scheduler.step()
         if bump_version:
             self.version += 1
-        return {
-            "train/grad_norm": grad_norm,
-            "train/lr": self.scheduler.get_last_lr()[0],
-            "train/version": float(self.version),
-        }
+        return optimizer_stats(norms[0], self.scheduler.get_last_lr()[0], self.version)
 
     # ---- weights --------------------------------------------------------------------------------
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -306,10 +218,10 @@ class FSDPEngine:
             tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
             if name.startswith("lm."):
                 yield name[len("lm.") :], tensor.detach().cpu()
-            elif name.startswith("mtp.") and not name.startswith("mtp.rotary_emb"):
+            elif name.startswith(MTP_PREFIX) and not name.startswith(MTP_PREFIX + "rotary_emb"):
                 yield name, tensor.detach().cpu()
 
-    def export_buckets(self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")):
+    def export_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, kinds: Sequence[str] = ("policy", "mtp")):
         """Weights for the rollout sync in size-bounded buckets: ``(kind, [(name, tensor), ...])``,
         under the names of the checkpoint's layout (what the engine's ``load_weights`` takes), in
         the compute dtype (``config.dtype``; :meth:`full_state_dict` gives the fp32 masters).
@@ -319,41 +231,27 @@ class FSDPEngine:
         off builds no vision tower to load it into). Frozen parts are skipped
         (a frozen head was loaded once by the engine). Collective: every rank iterates.
         """
-        unknown = sorted(set(kinds) - {"policy", "mtp", "vision"})
-        if unknown:
-            raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp or vision")
+        check_export_kinds(kinds)
         mode = mtp_mode(self.mtp_config)
         wanted = {
             "policy": mode != "mtp_only" and "policy" in kinds,
             "mtp": mode in ("joint", "mtp_only") and "mtp" in kinds,
             "vision": "vision" in kinds,
         }
-        carried = ((n, "vision", t) for n, t in self.layout.carried.items())
+        carried = (("vision", n, t) for n, t in self.layout.carried.items())
         # The compute dtype's copy of the fp32 masters: the weights the trainer's forward uses, at
         # half the bytes per sync for bf16 (checkpoints keep the fp32 masters).
         named = (
             (
+                "mtp" if n.startswith(MTP_PREFIX) else "policy",
                 self.layout.checkpoint_name(n),
-                "mtp" if n.startswith("mtp.") else "policy",
                 t.to(self.compute_dtype) if t.is_floating_point() else t,
             )
             for n, t in self.full_state_dict()
         )
-        bucket: list = []
-        size = 0
-        current = None
-        for name, kind, tensor in itertools.chain(named, carried):
-            if not wanted[kind]:
-                continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and (kind != current or size + nbytes > bucket_bytes):
-                yield current, bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-            current = kind
-        if bucket:
-            yield current, bucket
+        # the filter still draws every tensor: full_state_dict is collective, every rank iterates it all
+        kept = ((k, n, t) for k, n, t in itertools.chain(named, carried) if wanted[k])
+        yield from iter_kind_buckets(kept, bucket_bytes)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(

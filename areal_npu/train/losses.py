@@ -83,7 +83,7 @@ class SFTLoss:
         n = max(int(mask.sum()), 1)
         stats = {
             names.SFT_NLL: float(-(logp.detach() * mask).sum() / n),
-            "sft/entropy": float((entropy.detach() * mask).sum() / n),
+            names.SFT_ENTROPY: float((entropy.detach() * mask).sum() / n),
         }
         return loss, stats
 

@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
+from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES
 from areal_npu.data.sample import TrainSample
 from areal_npu.train.losses import Loss
 
@@ -63,7 +64,7 @@ class TrainEngine(Protocol):
         ...
 
     def export_buckets(
-        self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")
+        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, kinds: Sequence[str] = ("policy", "mtp")
     ) -> Iterator[tuple[str, list[tuple[str, Tensor]]]]:
         """The weights for the rollout sync as ``(kind, [(checkpoint name, tensor), ...])`` buckets
         of at most ``bucket_bytes`` (one tensor may exceed it), ``kind`` in ``kinds``. Collective."""

@@ -27,6 +27,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES
+
 __all__ = [
     "FOLLOWER_WAIT_S",
     "LeaderEngine",
@@ -158,7 +160,7 @@ class LeaderEngine:
         self._send("full_state_dict")
         yield from self.engine.full_state_dict()
 
-    def export_buckets(self, bucket_bytes=256 << 20, kinds=("policy", "mtp")):
+    def export_buckets(self, bucket_bytes=DEFAULT_BUCKET_BYTES, kinds=("policy", "mtp")):
         self._send("export_buckets", bucket_bytes, tuple(kinds))
         yield from self.engine.export_buckets(bucket_bytes, kinds)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from areal_npu import names
 from areal_npu.train.dist import all_reduce_max, all_reduce_sum
 
 __all__ = ["merge_minibatch_stats", "merge_stats"]
@@ -15,7 +16,7 @@ __all__ = ["merge_minibatch_stats", "merge_stats"]
 
 def _additive(key: str) -> bool:
     """Stats that are already fractions of a global normaliser: they add up over micro-batches."""
-    return key.startswith("mtp/") or key in ("ppo/loss", "ppo/n_valid_tokens")
+    return key.startswith(names.MTP_STATS) or key in (names.PPO_LOSS, names.PPO_N_VALID_TOKENS)
 
 
 def merge_stats(per_mb: list[tuple[float, dict[str, float]]], group=None) -> dict[str, float]:
@@ -50,11 +51,11 @@ def merge_minibatch_stats(per: list[dict[str, float]], version: int) -> dict[str
             merged[key] = max(values)
         elif key.endswith("/min"):
             merged[key] = min(values)
-        elif key == "train/n_tokens":
+        elif key == names.TRAIN_N_TOKENS:
             merged[key] = sum(values)
         else:
             merged[key] = sum(values) / len(values)
-    merged["train/version"] = float(version)
+    merged[names.TRAIN_VERSION] = float(version)
     return merged
 
 

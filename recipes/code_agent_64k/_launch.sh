@@ -164,7 +164,7 @@ fi
 LAUNCHER=${LAUNCHER:-ray}
 [[ $LAUNCHER == ray || $LAUNCHER == torchrun ]] || die "$EXIT_USAGE" "LAUNCHER must be ray or torchrun; got '$LAUNCHER'"
 if [[ $LAUNCHER == ray ]]; then
-  # Ray is the cluster manager: node 0 runs the head and the launcher (areal_npu/placement/ray_launch.py),
+  # Ray is the cluster manager: node 0 runs the head and the launcher (areal_npu/launch/ray_launch.py),
   # which plans the job on the cluster and places every trainer rank and engine in a placement group.
   RAY_PORT=${RAY_PORT:-6379}
   if ((NODE_RANK > 0)); then
@@ -184,7 +184,7 @@ while sum(n["Alive"] for n in ray.nodes()) < int(sys.argv[2]):
         sys.exit(f"{sum(n['Alive'] for n in ray.nodes())} of {sys.argv[2]} nodes joined within 600 s")
     time.sleep(2)
 PY
-  "$PYTHON" -m areal_npu.placement.ray_launch "$RECIPE" "${layout[@]}" "${overrides[@]}" \
+  "$PYTHON" -m areal_npu.launch.ray_launch "$RECIPE" "${layout[@]}" "${overrides[@]}" \
     --address "$MASTER_ADDR:$RAY_PORT"
   exit $?
 fi

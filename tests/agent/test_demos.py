@@ -252,7 +252,7 @@ def test_a_short_warm_start_on_demonstrations_makes_greedy_turns_well_formed(tmp
     from areal_npu.agent.demos import greedy_episodes
     from areal_npu.model.tiny import save_tiny_model
     from areal_npu.train.dist import init_distributed
-    from areal_npu.train.warmstart import WarmStartConfig, warm_start
+    from areal_npu.warmstart import WarmStartConfig, warm_start
 
     init_distributed()
     torch.manual_seed(0)

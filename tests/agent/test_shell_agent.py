@@ -12,7 +12,8 @@ from areal_npu.agent import actions, shell_agent
 from areal_npu.agent.environments import RepoEnv
 from areal_npu.agent.jail import backend
 from areal_npu.agent.repo_tasks import make_repo_tasks
-from areal_npu.agent.shell_agent import ShellAgent, ShellAgentConfig
+from areal_npu.agent.shell_agent import ShellAgent
+from areal_npu.agent.shell_config import ShellAgentConfig
 from areal_npu.agent.workflows import WorkflowConfig, load_workflow
 from areal_npu.model.tiny import build_tokenizer
 from areal_npu.rollout.client import GenerationResult, GenerationSample

@@ -9,14 +9,14 @@ import pytest
 from areal_npu import names
 from areal_npu.agent.jail import backend
 from areal_npu.agent.repo_tasks import make_repo_tasks
-from areal_npu.agent.shell_agent import ShellAgentConfig
+from areal_npu.agent.shell_config import ShellAgentConfig
 from areal_npu.agent.tasks import make_dataset
 from areal_npu.agent.workflows import WorkflowConfig, load_workflow
 from areal_npu.algo.advantages import GRPOConfig
 from areal_npu.controller import ControllerConfig, RLController
 from areal_npu.model.tiny import build_tokenizer
 from areal_npu.rollout.client import GenerationResult, GenerationSample
-from areal_npu.rollout.config import SpecConfig
+from areal_npu.speculation.config import SpecConfig
 from areal_npu.train.losses import PPOLoss
 
 JAIL_OK, JAIL_WHY = backend("bwrap").available()

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_npu import names
 from areal_npu.algo.advantages import dr_grpo_advantages, grpo_advantages, sequence_to_token_advantages
 
 REWARDS = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
@@ -17,8 +18,8 @@ def test_grpo_hand_worked():
     s3 = 0.5 * math.sqrt(3)
     expected = [s3, -s3, s3, -s3, 0, 0, 0, 0, -0.5, -0.5, -0.5, 1.5]
     torch.testing.assert_close(adv, torch.tensor(expected))
-    assert float(stats["grpo/zero_adv_groups"]) == 1.0
-    assert float(stats["grpo/zero_adv_group_ratio"]) == pytest.approx(1 / 3)
+    assert float(stats[names.GRPO_ZERO_ADV_GROUPS]) == 1.0
+    assert float(stats[names.GRPO_ZERO_ADV_GROUP_RATIO]) == pytest.approx(1 / 3)
 
 
 def test_grpo_biased_std_hand_worked():
@@ -33,15 +34,15 @@ def test_dr_grpo_is_mean_centred_only():
     adv, stats = dr_grpo_advantages(REWARDS, 4)
     expected = [0.5, -0.5, 0.5, -0.5, 0, 0, 0, 0, -0.25, -0.25, -0.25, 0.75]
     torch.testing.assert_close(adv, torch.tensor(expected))
-    assert float(stats["grpo/zero_adv_groups"]) == 1.0
+    assert float(stats[names.GRPO_ZERO_ADV_GROUPS]) == 1.0
 
 
 def test_equal_groups_are_exactly_zero_even_with_tiny_eps():
     rewards = torch.tensor([0.3, 0.3, 0.3, 7.0, 7.0, 7.0])
     adv, stats = grpo_advantages(rewards, 3, eps=1e-30)
     assert torch.equal(adv, torch.zeros(6))
-    assert float(stats["grpo/zero_adv_groups"]) == 2.0
-    assert float(stats["grpo/zero_adv_group_ratio"]) == 1.0
+    assert float(stats[names.GRPO_ZERO_ADV_GROUPS]) == 2.0
+    assert float(stats[names.GRPO_ZERO_ADV_GROUP_RATIO]) == 1.0
 
 
 def test_group_size_must_divide_batch():
@@ -80,7 +81,7 @@ def test_grpo_matches_naive(n, groups, std_normalize, data):
     expected = _naive_grpo(rewards, n, std_normalize, 1e-6)
     torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
     zero_groups = sum(1 for g in range(groups) if len(set(rewards[g * n : (g + 1) * n])) == 1)
-    assert float(stats["grpo/zero_adv_groups"]) == zero_groups
+    assert float(stats[names.GRPO_ZERO_ADV_GROUPS]) == zero_groups
 
 
 def test_broadcast_packed_hand_worked():

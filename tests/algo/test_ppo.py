@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_npu import names
 from areal_npu.algo.ppo import PPOConfig, decoupled_ppo_loss, ppo_clip_token_loss
 
 # ---------------------------------------------------------------- naive reference (loops, scalars)
@@ -155,9 +156,9 @@ def test_config_grid_actually_clips_and_masks():
     b = make_batch(3, [9] * 8, noise=0.8)
     cfg = PPOConfig(dual_clip=1.5, behave_imp_weight_mode="mask", behave_imp_weight_cap=1.2)
     _, _, stats = run_ours(b, cfg)
-    assert float(stats["ppo/clip_ratio"]) > 0
-    assert float(stats["ppo/dual_clip_ratio"]) > 0
-    assert 0 < float(stats["ppo/behave_imp_weight/outlier_ratio"]) < 1
+    assert float(stats[names.PPO_CLIP_RATIO]) > 0
+    assert float(stats[names.PPO_DUAL_CLIP_RATIO]) > 0
+    assert 0 < float(stats[names.BEHAVE_IMP_WEIGHT_OUTLIER_RATIO]) < 1
 
 
 def test_decoupled_equals_standard_when_prox_is_behave():
@@ -305,22 +306,22 @@ def test_stats_match_naive_and_ignore_masked_positions():
         elif clp > unc:
             clipped += 1
     expect = {
-        "ppo/behave_imp_weight/mean": sum(w) / len(v),
+        names.BEHAVE_IMP_WEIGHT_MEAN: sum(w) / len(v),
         "ppo/behave_imp_weight/min": min(w),
         "ppo/behave_imp_weight/max": max(w),
-        "ppo/behave_approx_kl": sum(float(b["behave"][t] - b["prox"][t]) for t in v) / len(v),
-        "ppo/importance_weight": sum(r) / len(v),
-        "ppo/clip_ratio": clipped / len(v),
-        "ppo/dual_clip_ratio": dual / len(v),
-        "ppo/approx_kl": sum(float(b["prox"][t] - b["logp"][t]) for t in v) / len(v),
-        "ppo/entropy": sum(float(entropy[t]) for t in v) / len(v),
-        "ppo/version_lag/mean": sum(5 - int(versions[t]) for t in v) / len(v),
-        "ppo/version_lag/max": max(5 - int(versions[t]) for t in v),
-        "ppo/n_valid_tokens": len(v),
+        names.BEHAVE_APPROX_KL: sum(float(b["behave"][t] - b["prox"][t]) for t in v) / len(v),
+        names.PPO_IMPORTANCE_WEIGHT: sum(r) / len(v),
+        names.PPO_CLIP_RATIO: clipped / len(v),
+        names.PPO_DUAL_CLIP_RATIO: dual / len(v),
+        names.PPO_APPROX_KL: sum(float(b["prox"][t] - b["logp"][t]) for t in v) / len(v),
+        names.PPO_ENTROPY: sum(float(entropy[t]) for t in v) / len(v),
+        names.VERSION_LAG_MEAN: sum(5 - int(versions[t]) for t in v) / len(v),
+        names.VERSION_LAG_MAX: max(5 - int(versions[t]) for t in v),
+        names.PPO_N_VALID_TOKENS: len(v),
     }
     for key, val in expect.items():
         assert float(stats[key]) == pytest.approx(val, rel=1e-6, abs=1e-9), key
-    assert float(stats["ppo/loss"]) == pytest.approx(loss.item())
+    assert float(stats[names.PPO_LOSS]) == pytest.approx(loss.item())
 
 
 @pytest.mark.parametrize(

@@ -85,10 +85,11 @@ def test_upstream_gives_linear_attention_no_segments_from_position_ids():
 
 def test_position_ids_hook_hands_linear_attention_the_segments():
     from areal_npu.compat.transformers import segment_by_position_ids
+    from areal_npu.data.packed_layout import cu_seqlens_from_position_ids
 
     model = _hybrid_model()
-    assert segment_by_position_ids(model) == 1
-    assert segment_by_position_ids(model) == 1  # idempotent: one hook per stack
+    assert segment_by_position_ids(model, cu_seqlens_from_position_ids) == 1
+    assert segment_by_position_ids(model, cu_seqlens_from_position_ids) == 1  # idempotent: one hook per stack
     assert len(model.model._forward_pre_hooks) == 1
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
     seen = _linear_attention_kwargs(

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_npu import names
 from areal_npu.data import packing
 from areal_npu.data.packed_layout import (
     cu_seqlens_from_position_ids,
@@ -63,11 +64,11 @@ def test_published_example_padded_vs_packed():
     assert batch.total_tokens == real == 51 and batch.pad_tokens == 0
     plan = plan_micro_batches(lengths, PackingConfig(max_tokens_per_mb=64))
     stats = packing_stats(lengths, plan, cap=64, alignment_pad_tokens=batch.alignment_pad_tokens)
-    assert stats["packing/padded_slots"] == 108.0  # 4 rows x 27
-    assert stats["packing/padded_utilization"] == pytest.approx(real / 108)
-    assert 0.47 < stats["packing/padded_utilization"] < 0.49
-    assert stats["packing/slots"] == real and stats["packing/utilization"] == 1.0
-    assert stats["packing/micro_batches"] == 1.0 == stats["packing/micro_batches_lower_bound"]
+    assert stats[names.PACKING_PADDED_SLOTS] == 108.0  # 4 rows x 27
+    assert stats[names.PACKING_PADDED_UTILIZATION] == pytest.approx(real / 108)
+    assert 0.47 < stats[names.PACKING_PADDED_UTILIZATION] < 0.49
+    assert stats[names.PACKING_SLOTS] == real and stats[names.PACKING_UTILIZATION] == 1.0
+    assert stats[names.PACKING_MICRO_BATCHES] == 1.0 == stats[names.PACKING_MICRO_BATCHES_LOWER_BOUND]
 
 
 @settings(max_examples=60, deadline=None)

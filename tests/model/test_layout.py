@@ -15,9 +15,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from areal_npu.model.layout import PUBLISHED, TEXT, detect_layout, load_for_training
+from areal_npu.model.layout import (
+    PUBLISHED,
+    TEXT,
+    detect_layout,
+    load_for_training,
+    load_model_with_mtp,
+    save_model_with_mtp,
+)
 from areal_npu.model.mtp import MTPConfig
-from areal_npu.model.mtp_checkpoint import load_model_with_mtp, save_model_with_mtp
 from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
 
 # Qwen3.6-27B as published: 64 layers = 16 x (3 Gated DeltaNet + 1 full attention),

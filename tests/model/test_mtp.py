@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from areal_npu import names as N
 from areal_npu.data.packed_layout import pack_per_token, pack_sequences, unpack_per_token
 from areal_npu.model.mtp import (
     MTPConfig,
@@ -409,7 +410,7 @@ def test_attaches_to_a_qwen3_model_with_isolation():
 
 
 def test_round_trip_save_load_identical_logits(tmp_path):
-    from areal_npu.model.mtp_checkpoint import load_model_with_mtp, save_model_with_mtp
+    from areal_npu.model.layout import load_model_with_mtp, save_model_with_mtp
 
     model, mtp = tiny(linear_every=0)
     save_model_with_mtp(model, mtp, tmp_path / "ckpt")
@@ -428,7 +429,7 @@ def test_round_trip_save_load_identical_logits(tmp_path):
 
 
 def test_missing_head_fails_clearly_unless_init_new_head(tmp_path):
-    from areal_npu.model.mtp_checkpoint import load_model_with_mtp, save_model_with_mtp
+    from areal_npu.model.layout import load_model_with_mtp, save_model_with_mtp
 
     model, _ = tiny(linear_every=0)
     save_model_with_mtp(model, None, tmp_path / "nohead")
@@ -485,7 +486,7 @@ def test_joint_training_updates_the_policy_exactly_like_sft_alone():
     for (name, a), b in zip(sft_model.state_dict().items(), joint_model.state_dict().values()):
         assert torch.equal(a, b), f"{name}: the MTP loss changed the policy update"
     assert any(not torch.equal(a, b) for a, b in zip(sft_head.parameters(), joint_head.parameters()))
-    assert {"mtp/loss_d1", "mtp/acc_d1", "mtp/loss_d2", "mtp/acc_d2", "sft/loss"} <= set(history[-1])
+    assert {N.mtp_loss_key(1), N.mtp_acc_key(1), N.mtp_loss_key(2), N.mtp_acc_key(2), N.SFT_LOSS} <= set(history[-1])
 
 
 def test_mtp_only_trains_the_head_on_a_frozen_base():
@@ -494,7 +495,7 @@ def test_mtp_only_trains_the_head_on_a_frozen_base():
     for (name, a), b in zip(fresh_model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), f"{name} changed in MTP-only training"
     assert all(not torch.equal(a, b) for a, b in zip(fresh_head.parameters(), mtp.parameters()))
-    assert "sft/loss" not in history[-1]
+    assert N.SFT_LOSS not in history[-1]
 
 
 def test_frozen_head_is_left_alone():
@@ -538,4 +539,4 @@ def test_right_padded_batch_gives_the_packed_loss():
             batch.cu_seqlens,
         )
     torch.testing.assert_close(padded.mtp_loss, packed.mtp_loss, rtol=1e-5, atol=1e-6)
-    assert padded.stats["mtp/n_d2"] == packed.stats["mtp/n_d2"]
+    assert padded.stats[N.mtp_count_key(2)] == packed.stats[N.mtp_count_key(2)]

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from areal_npu import names
 from areal_npu.model.mtp_loss import mtp_loss
 from areal_npu.model.mtp_targets import MTPTargets
 from tests.support.peak_memory import peak_memory
@@ -68,10 +69,10 @@ def test_loss_stats_and_gradients_equal_the_full_logits_formula(chunk_size, glob
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for g, h in zip(grads, hidden):
         torch.testing.assert_close(g, h.grad, rtol=1e-5, atol=1e-7)
-    assert stats["mtp/acc_d1"] > 0
+    assert stats[names.mtp_acc_key(1)] > 0
     for key, value in ref_stats.items():
         assert stats[key] == pytest.approx(value, rel=1e-5), key
-    assert stats["mtp/loss"] == pytest.approx(float(ref_loss), rel=1e-5)
+    assert stats[names.MTP_LOSS] == pytest.approx(float(ref_loss), rel=1e-5)
 
 
 def test_bf16_logits_are_accumulated_in_float32():
@@ -106,4 +107,4 @@ def test_mtp_loss_at_16k_tokens_by_64k_vocab_peaks_far_below_full_logits():
     assert mem.peak_bytes <= chunk_bound, (mem.peak_mib, chunk_bound / 2**20)
     assert mem.peak_bytes <= full_logits / 3, (mem.peak_mib, full_logits / 2**20)
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
-    assert stats["mtp/n_d1"] == float((labels != -100).sum())
+    assert stats[names.mtp_count_key(1)] == float((labels != -100).sum())

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
+from areal_npu.model.layout import save_model_with_mtp
 from areal_npu.model.mtp import MTPConfig, init_mtp_weights
-from areal_npu.model.mtp_checkpoint import save_model_with_mtp
 from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, build_tiny_model
 from areal_npu.testing.sft import evaluate_mtp, pattern_corpus, sft_warm_start
 

@@ -2,7 +2,7 @@
 
 vLLM 0.32 (the CPU default) serves the text-layout tiny model (``Qwen3_5ForCausalLM``). vLLM 0.23
 -- the images' version -- serves Qwen3.5 only as ``Qwen3_5ForConditionalGeneration``, the
-published layout (``vllm_features`` ``qwen3_5_text_class``), so on 0.23 the tests
+published layout (``compat/vllm/features.py`` ``qwen3_5_text_class``), so on 0.23 the tests
 serve the published tiny model (``areal_npu.model.tiny``, ``layout="published"``). Its layers are
 all full attention: 0.23's CPU Gated DeltaNet kernel refuses speculative decoding outright
 ("speculative decode not supported in CPU GDN attention"), so a hybrid cannot speculate there,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from areal_npu.rollout import vllm_features
+from areal_npu.compat.vllm import features as vllm_version
 from areal_npu.testing import reference, synthetic
 
 
@@ -54,7 +54,7 @@ class ServedModel:
 
 def serves_text_layout() -> bool:
     """vLLM 0.32 serves ``Qwen3_5ForCausalLM``; 0.23 refuses it ("not supported for now")."""
-    return vllm_features.has("qwen3_5_text_class")
+    return vllm_version.has("qwen3_5_text_class")
 
 
 def save_engine_model(out_dir: Path) -> ServedModel:

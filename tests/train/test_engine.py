@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from areal_npu import names as N
 from areal_npu.algo.guard import NonFiniteError
 from areal_npu.data.packing import PackingConfig
 from areal_npu.data.sample import TrainSample
@@ -132,16 +133,16 @@ def test_logprobs_loss_and_grads_match_unpacked_reference():
         )
         s.prox_logp = lp
     stats = engine.forward_backward(samples, PPOLoss())
-    assert stats["packing/micro_batches"] >= 3  # the cap really split the batch
+    assert stats[N.PACKING_MICRO_BATCHES] >= 3  # the cap really split the batch
     reference.double()
     loss = naive_decoupled_loss(reference, samples)
     loss.backward()
-    assert stats["ppo/loss"] == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+    assert stats[N.PPO_LOSS] == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
     grads = full_grads(engine)
     tolerance = float32_grad_tolerance(engine.device)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads["lm." + name], param.grad, **tolerance, msg=name)
-    assert stats["ppo/behave_imp_weight/mean"] > 0 and stats["ppo/version_lag/max"] == 0
+    assert stats[N.BEHAVE_IMP_WEIGHT_MEAN] > 0 and stats[N.VERSION_LAG_MAX] == 0
 
 
 def test_nonfinite_input_is_caught_and_nothing_is_applied():
@@ -163,8 +164,8 @@ def test_sft_with_mtp_trains_both_and_exports_in_buckets():
     first = engine.train_step(samples, SFTLoss())
     for _ in range(15):
         last = engine.train_step(samples, SFTLoss())
-    assert last["sft/nll"] < first["sft/nll"] and last["mtp/loss_d1"] < first["mtp/loss_d1"]
-    assert 0.0 <= last["mtp/acc_d1"] <= 1.0 and engine.version == 16
+    assert last[N.SFT_NLL] < first[N.SFT_NLL] and last[N.mtp_loss_key(1)] < first[N.mtp_loss_key(1)]
+    assert 0.0 <= last[N.mtp_acc_key(1)] <= 1.0 and engine.version == 16
     names = dict(engine.full_state_dict())
     buckets = list(engine.export_buckets(bucket_bytes=40_000))
     seen = [n for _, b in buckets for n, _ in b]
@@ -193,7 +194,7 @@ def _two_rank_worker(rank, path, samples, init_file):
         engine, _ = make_engine(cap=24, adam_eps=ADAM_EPS)
         stats, grads, weights = _ppo_step(engine, samples[rank::2])
         if rank == 0:
-            torch.save({"loss": stats["ppo/loss"], "grads": grads, "weights": weights}, path)
+            torch.save({"loss": stats[N.PPO_LOSS], "grads": grads, "weights": weights}, path)
 
 
 def _two_ranks_fit() -> bool:
@@ -215,7 +216,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     engine, _ = make_engine(cap=24, adam_eps=ADAM_EPS)
     stats, grads, weights = _ppo_step(engine, samples)
     two = torch.load(tmp_path / "out.pt")
-    assert two["loss"] == pytest.approx(stats["ppo/loss"], rel=1e-5)
+    assert two["loss"] == pytest.approx(stats[N.PPO_LOSS], rel=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
     for name, tensor in weights.items():
@@ -237,7 +238,7 @@ def test_resume_continues_exactly(tmp_path):
     extra = b.load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))
     assert extra == {"data_position": 5} and b.version == 1
     got = step(b, 1)
-    assert got["ppo/loss"] == pytest.approx(expected["ppo/loss"], rel=1e-6)
+    assert got[N.PPO_LOSS] == pytest.approx(expected[N.PPO_LOSS], rel=1e-6)
     wa, wb = dict(a.full_state_dict()), dict(b.full_state_dict())
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], rtol=1e-6, atol=1e-7, msg=name)

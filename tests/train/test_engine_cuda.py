@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_npu import names
 from areal_npu.data.packing import PackingConfig
 from areal_npu.model.tiny import build_tiny_model
 from areal_npu.train.config import TrainEngineConfig
@@ -44,7 +45,7 @@ def test_fsdp2_step_float32_on_cuda_matches_float64_reference():
     stats = engine.forward_backward(samples, PPOLoss())
     loss = naive_decoupled_loss(reference, samples)
     loss.backward()
-    assert stats["ppo/loss"] == pytest.approx(float(loss), rel=1e-4, abs=1e-6)
+    assert stats[names.PPO_LOSS] == pytest.approx(float(loss), rel=1e-4, abs=1e-6)
     grads = {
         n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).double().cpu()
         for n, p in engine.module.named_parameters()
@@ -88,4 +89,4 @@ def test_fsdp2_bf16_step_on_cuda_within_bf16_error():
         / n
     )
     stats = engine.forward_backward(samples, PPOLoss())
-    assert stats["ppo/loss"] == pytest.approx(expected, rel=2e-2)
+    assert stats[names.PPO_LOSS] == pytest.approx(expected, rel=2e-2)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from areal_npu import names as N
 from areal_npu.data.packing import PackingConfig
 from areal_npu.data.sample import TrainSample
 from areal_npu.model.layout import load_for_training
@@ -125,7 +126,7 @@ def test_packed_step_equals_the_text_layout_and_the_unpacked_vl_model(checkpoint
     stats_a = a.forward_backward(batch, SFTLoss())
     stats_b = b.forward_backward(batch, SFTLoss())
     assert stats_a == stats_b
-    assert stats_a["mtp/n_d1"] > 0
+    assert stats_a[N.mtp_count_key(1)] > 0
     ga, gb = grads(a), grads(b)
     assert sorted(ga) == sorted(gb) and any(n.startswith("mtp.") for n in ga)
     for name in ga:
@@ -194,7 +195,7 @@ def test_warm_start_writes_the_published_layout_back(checkpoints, tmp_path):
     from areal_npu.agent.tasks import make_splits
     from areal_npu.config import load_config
     from areal_npu.recipe import RLConfig
-    from areal_npu.train.warmstart import warm_start
+    from areal_npu.warmstart import warm_start
 
     published, _ = checkpoints
     cfg = load_config(RLConfig, QUICKSTART, ["warmstart.steps=2", "warmstart.batch_size=4", "task.n_train=8"])

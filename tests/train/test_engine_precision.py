@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_npu import names
 from areal_npu.data.packing import PackingConfig
 from areal_npu.data.sample import TrainSample
 from areal_npu.model.mtp import MTPConfig
@@ -69,7 +70,7 @@ def local_params(engine) -> dict[str, torch.Tensor]:
 def test_bf16_engine_keeps_fp32_parameters_grads_and_optimizer_states():
     engine = engine_for("bfloat16", mtp=True)
     stats = engine.train_step(sft_samples(), SFTLoss())
-    assert stats["packing/micro_batches"] == 1  # one packed micro-batch
+    assert stats[names.PACKING_MICRO_BATCHES] == 1  # one packed micro-batch
     for name, p in engine.module.named_parameters():
         assert p.dtype == torch.float32, name
         assert p.grad is None or p.grad.dtype == torch.float32, name
@@ -158,14 +159,14 @@ def test_checkpointing_gives_the_same_gradients_on_a_packed_micro_batch(dtype):
         logprobs[checkpointing] = engine.compute_logprobs(samples)  # no_grad
         calls = _count_layer_calls(engine)
         stats = engine.forward_backward(samples, SFTLoss())
-        assert stats["packing/micro_batches"] == 1
+        assert stats[names.PACKING_MICRO_BATCHES] == 1
         depths = engine.mtp_config.num_depths
         expected_calls = 2 if checkpointing else 1
         assert all(n == expected_calls * (depths if k.startswith("mtp") else 1) for k, n in calls.items()), (
             calls
         )
         grads[checkpointing] = full_grads(engine)
-        losses[checkpointing] = (stats["sft/nll"], stats["mtp/loss"])
+        losses[checkpointing] = (stats[names.SFT_NLL], stats[names.MTP_LOSS])
     assert losses[True] == losses[False]
     assert all(torch.equal(a, b) for a, b in zip(logprobs[True], logprobs[False], strict=True))
     assert any(n.startswith("mtp.") for n in grads[False]) and any(".linear_attn." in n for n in grads[False])

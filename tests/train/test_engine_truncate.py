@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from areal_npu import names
 from areal_npu.data.packing import PackingConfig
 from areal_npu.data.sample import TrainSample
 from areal_npu.model.mtp import MTPConfig
@@ -66,13 +67,13 @@ def test_truncate_trains_on_the_first_cap_tokens_of_a_long_sequence():
         )
         s.prox_logp = lp
     stats = engine.forward_backward(samples, PPOLoss())  # full-length samples, cap-length prox_logp
-    assert stats["packing/tokens_per_mb_max"] <= CAP
-    assert stats["packing/truncated_sequences"] == sum(len(s.input_ids) > CAP for s in samples)
-    assert stats["train/n_tokens"] == sum(int(s.loss_mask[:CAP].sum()) for s in samples)
+    assert stats[names.PACKING_TOKENS_PER_MB_MAX] <= CAP
+    assert stats[names.PACKING_TRUNCATED_SEQUENCES] == sum(len(s.input_ids) > CAP for s in samples)
+    assert stats[names.TRAIN_N_TOKENS] == sum(int(s.loss_mask[:CAP].sum()) for s in samples)
     reference.double()
     loss = naive_decoupled_loss(reference, [_cut(s) for s in samples])
     loss.backward()
-    assert stats["ppo/loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
+    assert stats[names.PPO_LOSS] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
     grads = full_grads(engine)
     tolerance = float32_grad_tolerance(engine.device)
     for name, param in reference.named_parameters():
@@ -83,11 +84,11 @@ def test_truncate_cuts_mtp_labels_with_the_sequence():
     samples = [TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask) for s in make_samples()]
     engine, _ = _engine(mtp=True)
     stats = engine.forward_backward(samples, SFTLoss())
-    assert stats["mtp/n_d1"] == sum(int(s.loss_mask[:CAP][2:].sum()) for s in samples)
+    assert stats[names.mtp_count_key(1)] == sum(int(s.loss_mask[:CAP][2:].sum()) for s in samples)
     # the same loss as an engine that never sees the cut tokens (hand-cut samples, no truncation)
     uncut_engine, _ = _engine(on_too_long="error", mtp=True)
     expected = uncut_engine.forward_backward([_cut(s) for s in samples], SFTLoss())
-    for key in ("sft/nll", "mtp/loss_d1", "mtp/n_d1"):
+    for key in (names.SFT_NLL, names.mtp_loss_key(1), names.mtp_count_key(1)):
         assert stats[key] == pytest.approx(expected[key], rel=1e-5), key
 
 

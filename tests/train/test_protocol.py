@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal_npu import names as N
 from areal_npu.algo.advantages import GRPOConfig
 from areal_npu.controller import ControllerConfig, RLController
+from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES
 from areal_npu.data.sample import TrainSample
 from areal_npu.data.trajectory import Trajectory
-from areal_npu.rollout.config import SpecConfig
+from areal_npu.speculation.config import SpecConfig
 from areal_npu.train.losses import PPOLoss, SFTLoss
 from areal_npu.train.protocol import TrainEngine
 
@@ -93,12 +95,12 @@ class RecordingEngine:
         assert all(isinstance(s, TrainSample) and s.prox_logp is not None for s in samples)
         self.calls.append(("train_step", len(samples), loss, step))
         self.version += 1
-        return {"ppo/loss": 0.0, "train/version": float(self.version)}
+        return {N.PPO_LOSS: 0.0, N.TRAIN_VERSION: float(self.version)}
 
     def full_state_dict(self):
         raise AssertionError("the controller pushes weights through export_buckets")
 
-    def export_buckets(self, bucket_bytes=256 << 20, kinds=("policy", "mtp")):
+    def export_buckets(self, bucket_bytes=DEFAULT_BUCKET_BYTES, kinds=("policy", "mtp")):
         self.calls.append(("export_buckets", bucket_bytes))
         yield "policy", [("model.norm.weight", torch.ones(2))]
 
@@ -186,7 +188,7 @@ def _engine_attributes(path: Path, names: tuple[str, ...]) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["areal_npu/controller.py", "areal_npu/run.py", "areal_npu/train/warmstart.py"]
+    "module", ["areal_npu/controller.py", "areal_npu/run.py", "areal_npu/warmstart.py"]
 )
 def test_callers_touch_only_protocol_members(module):
     used = _engine_attributes(ROOT / module, ("engine",))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_npu import names
 from areal_npu.data.packing import PackingConfig
 from areal_npu.data.sample import TrainSample
 from areal_npu.memory_model import (
@@ -173,7 +174,7 @@ def test_64k_token_step_peak_is_bounded_by_the_estimate(checkpointing, max_ratio
         )
         engine = FSDPEngine(lm, head, cfg, mtp_config=MTPConfig(enabled=True, train=True))
         stats = engine.train_step(samples, SFTLoss())
-    assert stats["packing/micro_batches"] == 1 and stats["train/n_tokens"] > 0.7 * TOKENS
+    assert stats[names.PACKING_MICRO_BATCHES] == 1 and stats[names.TRAIN_N_TOKENS] > 0.7 * TOKENS
     estimate = estimate_step_memory(
         ModelDims.from_hf_config(hf_config(STEP_MODEL)),
         TOKENS,

@@ -27,7 +27,7 @@ import inspect
 
 import torch
 
-from areal_npu.compat.vllm.cpu_sampling import DISABLE_ENV, expand_kernel_impl
+from areal_npu.compat.vllm.cpu_expand import DISABLE_ENV, expand_kernel_impl
 
 _state = {"applied": False}
 

@@ -17,17 +17,17 @@ vLLM < 0.32 unless the recipe chose a cache dtype itself (``rollout.extra_engine
 
 from __future__ import annotations
 
+from areal_npu.compat.vllm import features as vllm_version
+
 FIXED_IN = (0, 32, 0)
 ARGS = ["--mamba-ssm-cache-dtype", "float32"]
 
 
 def needed(device: str, extra_engine_args: dict) -> bool:
-    from areal_npu.rollout import vllm_features
-
-    version = vllm_features.installed_version()
+    version = vllm_version.installed_version()
     if device != "cpu" or version is None or "mamba_ssm_cache_dtype" in extra_engine_args:
         return False
-    return vllm_features.parse_version(version) < FIXED_IN
+    return vllm_version.parse_version(version) < FIXED_IN
 
 
 def engine_args(device: str, extra_engine_args: dict) -> list[str]:

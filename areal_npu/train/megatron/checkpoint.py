@@ -25,8 +25,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from areal_npu.data.buckets import iter_kind_buckets
+from areal_npu.names import MTP_PREFIX
+from areal_npu.train.base import check_export_kinds
 from areal_npu.train.checkpoint import read_trainer_state, write_checkpoint
 from areal_npu.train.megatron import convert
+from areal_npu.train.megatron.mtp import MTP_MODULE, mtp_hf_to_mcore, mtp_mcore_to_hf
 
 __all__ = ["export_buckets", "load_checkpoint", "save_checkpoint", "write_hf_checkpoint"]
 
@@ -42,24 +46,20 @@ def export_buckets(engine, bucket_bytes: int, kinds):
     checkpoint's carried vision tower); names of the checkpoint's layout
     (:meth:`areal_npu.model.layout.CheckpointLayout.checkpoint_name`), tensors in the compute dtype
     (the params the forward uses). Collective over every rank."""
-    from areal_npu.train.megatron.mtp import mtp_mcore_to_hf
+    check_export_kinds(kinds)
 
-    unknown = sorted(set(kinds) - {"policy", "mtp", "vision"})
-    if unknown:
-        raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp or vision")
-    rename = engine.layout.checkpoint_name
-    if "policy" in kinds:
-        named = dict(engine.module.named_parameters())
-        policy = convert.gathered_hf_tensors(named, engine.shape, engine.tp_group, engine.pp_group)
-        for bucket in convert.export_buckets(((rename(n), t) for n, t in policy), bucket_bytes):
-            yield "policy", bucket
-    if "mtp" in kinds and engine.mtp is not None:
-        head = mtp_mcore_to_hf(dict(engine.mtp.named_parameters()), engine.shape, engine.tp_group)
-        for bucket in convert.export_buckets(head, bucket_bytes):
-            yield "mtp", bucket
-    if "vision" in kinds and engine.layout.carried:
-        for bucket in convert.export_buckets(iter(engine.layout.carried.items()), bucket_bytes):
-            yield "vision", bucket
+    def named():
+        if "policy" in kinds:
+            params = dict(engine.module.named_parameters())
+            policy = convert.gathered_hf_tensors(params, engine.shape, engine.tp_group, engine.pp_group)
+            yield from (("policy", engine.layout.checkpoint_name(n), t) for n, t in policy)
+        if "mtp" in kinds and engine.mtp is not None:
+            head = mtp_mcore_to_hf(dict(engine.mtp.named_parameters()), engine.shape, engine.tp_group)
+            yield from (("mtp", n, t) for n, t in head)
+        if "vision" in kinds:
+            yield from (("vision", n, t) for n, t in engine.layout.carried.items())
+
+    yield from iter_kind_buckets(named(), bucket_bytes)
 
 
 def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
@@ -111,13 +111,9 @@ def load_checkpoint(engine, path: str | Path) -> dict:
             )
     named = ((engine.layout.training_name(n), t) for n, t in load_file(str(path / "model.safetensors")).items())
     hf = {n: t for n, t in named if n is not None}  # a published checkpoint's vision tower is carried
-    head = {n: hf.pop(n) for n in list(hf) if n.startswith("mtp.")}
+    head = {n: hf.pop(n) for n in list(hf) if n.startswith(MTP_PREFIX)}
     state = convert.hf_to_mcore(hf, engine.shape, engine.tp_rank, layout.tp_size, engine.stage)
-    from areal_npu.train.megatron.engine import MTP_MODULE
-
     if engine.mtp is not None:
-        from areal_npu.train.megatron.mtp import mtp_hf_to_mcore
-
         head = mtp_hf_to_mcore(head, engine.shape, engine.tp_rank, engine.config.megatron.tp_size)
         state.update((MTP_MODULE + n, t) for n, t in head.items())
     opt = engine.optimizer  # the fp32 masters from the HF weights (written from them), then the moments

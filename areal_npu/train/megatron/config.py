@@ -1,34 +1,14 @@
-"""The Megatron-Core engine's part of the ``train`` section: its parallel layout (``train.megatron``)
-and what it refuses of the shared settings (:class:`areal_npu.train.config.TrainEngineConfig`).
+"""What the Megatron-Core engine refuses of the ``train`` section (its layout, ``train.megatron``, is
+:class:`areal_npu.train.config.MegatronLayoutConfig`, beside the settings both engines share).
 
 Nothing here imports Megatron.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from areal_npu.config import ConfigError
 
-__all__ = ["MegatronLayoutConfig", "check_megatron_config"]
-
-
-@dataclass
-class MegatronLayoutConfig:
-    """The Megatron-Core engine's parallel layout (``train.backend: megatron``); world = dp * tp * cp * pp."""
-
-    tp_size: int = 1  # tensor-parallel ranks: attention heads, FFN and vocabulary sharded over them
-    cp_size: int = 1  # context-parallel ranks: every packed sequence split zigzag over them
-    pp_size: int = 1  # pipeline stages: decoder layers split evenly over them (1F1B schedule)
-    sequence_parallel: bool = (
-        False  # activations outside attention/FFN sharded over TP (needs tp_size >= 2, cp_size 1)
-    )
-
-    def validate(self) -> None:
-        for key in ("tp_size", "cp_size", "pp_size"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(key, f"must be an int >= 1, got {value!r}")
+__all__ = ["check_loss_layout", "check_megatron_config"]
 
 
 def check_megatron_config(train) -> None:

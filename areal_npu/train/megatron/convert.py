@@ -53,7 +53,6 @@ Fused layouts:
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,13 +60,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from areal_npu.train.megatron.model import GPTShape
+from areal_npu.train.megatron.shape import GPTShape
 
 __all__ = [
     "ALL",
     "LAYER_TABLE",
     "MODEL_TABLE",
-    "export_buckets",
     "Stage",
     "hf_names",
     "hf_shape",
@@ -419,21 +417,3 @@ def gathered_hf_tensors(
                     dist.broadcast(tensor, src, group=pp_group)
             for name, tensor in zip(rule.hf, tensors):  # a copy: not a view of live grads/params
                 yield name, tensor.to("cpu", copy=True).contiguous()
-
-
-def export_buckets(
-    named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group ``(name, tensor)`` pairs into buckets of at most ``bucket_bytes`` (a single larger
-    tensor is a bucket of its own), in order."""
-    bucket: list = []
-    size = 0
-    for name, tensor in itertools.chain(named):
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

@@ -1,9 +1,11 @@
 """The Megatron-Core train engine: packed THD micro-batches, TP / CP / DP, decoupled PPO (or SFT).
 
 It implements :class:`areal_npu.train.protocol.TrainEngine` as :class:`areal_npu.train.fsdp2.FSDPEngine`
-does (same samples, same loss objects, same stats keys, same export format): :meth:`compute_logprobs`,
-:meth:`train_step` (= :meth:`forward_backward` + :meth:`optimizer_step`), :meth:`full_state_dict` /
-:meth:`export_buckets` (HF names), and checkpoints through :mod:`areal_npu.train.megatron.checkpoint`.
+does (same samples, same loss objects, same stats keys, same export format): the cap, packing, the
+step's counts, loss and stats are theirs in common (:class:`areal_npu.train.base.TrainEngineBase`);
+here the model, its forward per micro-batch (or per pipeline stage), the gradient reduction, the
+optimizer step, :meth:`full_state_dict` / :meth:`export_buckets` (HF names), and checkpoints through
+:mod:`areal_npu.train.megatron.checkpoint`.
 Its config is the recipe's ``train`` section with ``backend: megatron`` (layout: ``train.megatron``).
 
 Layout: world = tp * cp * pp * dp. Every rank calls every method; the ranks of one TP x CP x PP
@@ -40,23 +42,23 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES
 from areal_npu.data.context_parallel import cp_gather
-from areal_npu.data.packed_layout import pack_sequences, unpack_per_token
-from areal_npu.data.packing import packing_stats, plan_micro_batches
-from areal_npu.data.sample import TrainSample, truncate_sample
 from areal_npu.model.layout import TEXT, CheckpointLayout
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.platform import current_platform
+from areal_npu.train.base import TrainEngineBase
 from areal_npu.train.config import TrainEngineConfig
-from areal_npu.train.dist import all_reduce_flat, reduce_floats
-from areal_npu.train.forward import prediction_fields
+from areal_npu.train.dist import all_reduce_flat
+from areal_npu.train.forward import MTPArgs
 from areal_npu.train.losses import Loss
 from areal_npu.train.megatron import convert
 from areal_npu.train.megatron.config import check_loss_layout, check_megatron_config
 from areal_npu.train.megatron.grads import sharded_grad_norm
 from areal_npu.train.megatron.logprobs import vocab_parallel_logprobs_entropy
-from areal_npu.train.megatron.model import build_gpt_model, decoder_hidden_states, gpt_shape, model_options
+from areal_npu.train.megatron.model import build_gpt_model, decoder_hidden_states, model_options
 from areal_npu.train.megatron.mtp import (
+    MTP_MODULE,
     MTP_TP_PARTIAL,
     MTP_TP_SHARDED,
     build_mtp_layer,
@@ -72,15 +74,12 @@ from areal_npu.train.megatron.packing import MegatronMicroBatch, check_same_samp
 from areal_npu.train.megatron.pipeline import run_pipeline
 from areal_npu.train.megatron.precision import MasterOptimizer, optimizer_step
 from areal_npu.train.megatron.runtime import init_parallel_state
-from areal_npu.train.stats import merge_stats, minibatch_train_step
+from areal_npu.train.megatron.shape import gpt_shape
 
-__all__ = ["MTP_MODULE", "MegatronEngine", "check_mtp"]
-
-#: The prefix of the MTP layer's parameters in :meth:`MegatronEngine.named_mcore_parameters`.
-MTP_MODULE = "mtp_layer."
+__all__ = ["MegatronEngine"]
 
 
-class MegatronEngine:
+class MegatronEngine(TrainEngineBase):
     """Trains a Megatron-Core ``GPTModel`` built from an HF config and state dict (full tensors,
     HF names; each rank keeps its TP shards) and, with ``mtp.enabled``, its MTP head from
     ``mtp_state`` (``mtp.*`` HF names). Expects ``torch.distributed`` to be initialised."""
@@ -103,7 +102,7 @@ class MegatronEngine:
             raise ValueError(f"the Megatron engine got a train config for backend {config.backend!r}")
         check_megatron_config(config)
         self.config = config
-        self.mtp_config = mtp_config or MTPConfig(enabled=False)
+        self.mtp_config = mtp_config or MTPConfig(enabled=False)  # validated (the recipe's ``mtp``)
         check_mtp(self.mtp_config, config.megatron.pp_size)
         if self.mtp_config.enabled and not mtp_state:
             raise ValueError("mtp.enabled but no MTP head was given (load one or set mtp.init_new_head)")
@@ -125,6 +124,7 @@ class MegatronEngine:
         self.cp_rank = ps.get_context_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.stats_group = self.dp_cp_group  # the TP ranks hold copies of the DP x CP ranks' tokens
         self.tp_cp_group = ps.get_tensor_and_context_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.stage = convert.Stage(ps.get_pipeline_model_parallel_rank(), layout.pp_size)
@@ -175,39 +175,25 @@ class MegatronEngine:
         mtp_state = head_state(lm, mtp, kwargs.get("mtp_config"), config.megatron)
         return cls(lm.config, lm.state_dict(), config, mtp_state=mtp_state, **kwargs)
 
-    # ---- batching ------------------------------------------------------------------------------
-    def _fit_cap(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
-        if self.config.packing.on_too_long != "truncate":
-            return list(samples)
-        return [truncate_sample(s, self.config.packing.max_tokens_per_mb) for s in samples]
+    # ---- the steps the base leaves to the engine ------------------------------------------------
+    def _check_loss(self, loss: Loss) -> None:
+        check_loss_layout(loss, self.config.megatron.cp_size)
 
-    def _check_same_samples(self, samples: Sequence[TrainSample]) -> None:
+    def _check_same_samples(self, samples) -> None:
         check_same_samples(samples, self.tp_cp_group)
         check_same_samples(samples, self.pp_group)
 
-    def _micro_batches(self, samples: Sequence[TrainSample], loss: Loss | None):
-        """(plan, micro-batches as this rank feeds them, packing stats)."""
-        lengths = [len(s) for s in samples]
-        plan = plan_micro_batches(lengths, self.config.packing, group=self.dp_group)
-        cp = self.config.megatron.cp_size
-        mbs = []
-        pad_total = 0
-        for indices in plan:
-            seqs = [samples[i] for i in indices]
-            packed = pack_sequences(
-                [s.input_ids for s in seqs],
-                alignment=self.config.packing.alignment,
-                cp_size=cp,
-                pad_token_id=self.pad_token_id,
-                sample_indices=indices,
-            )
-            pad_total += packed.pad_tokens
-            fields = prediction_fields(seqs, packed, loss)
-            mbs.append(to_megatron(packed, fields, cp, self.cp_rank, self.cp_group, self.device))
-        stats = packing_stats(
-            lengths, [p for p in plan if p], self.config.packing.max_tokens_per_mb, pad_total
-        )
-        return plan, mbs, stats
+    def _to_device(self, packed, fields) -> MegatronMicroBatch:
+        """This rank's zigzag share of the row (CP) with the global ``PackedSeqParams``."""
+        return to_megatron(packed, fields, self.config.megatron.cp_size, self.cp_rank, self.cp_group, self.device)
+
+    def _loss_cu_seqlens(self, mb: MegatronMicroBatch):
+        return mb.params.cu_seqlens_q if mb.cp_size == 1 else None
+
+    def _mtp_args(self, plan, mbs, samples) -> list[MTPArgs | None]:
+        if self.mtp is None:
+            return [None] * len(mbs)
+        return mtp_targets(mbs, plan, samples, self.pad_token_id, self.device, self.dp_group, self.mtp_config.loss_scale)
 
     # ---- the forward ---------------------------------------------------------------------------
     def _output_weight(self) -> torch.Tensor:
@@ -217,7 +203,7 @@ class MegatronEngine:
             return self.module.shared_embedding_or_output_weight()
         return self.module.output_layer.weight
 
-    def _logprobs(self, mb: MegatronMicroBatch, mtp_args: dict | None = None):
+    def _logprobs(self, mb: MegatronMicroBatch, mtp_args: MTPArgs | None = None):
         """(logp, entropy, MTP loss or None, MTP stats) of this rank's tokens of ``mb``
         (prediction-aligned, float32); the MTP head runs when ``mtp_args`` (:func:`.mtp.mtp_targets`) is given."""
         hidden, rotary = decoder_hidden_states(
@@ -225,7 +211,7 @@ class MegatronEngine:
         )
         return self._head(hidden, mb, rotary, mtp_args)
 
-    def _head(self, hidden: torch.Tensor, mb: MegatronMicroBatch, rotary=None, mtp_args: dict | None = None):
+    def _head(self, hidden: torch.Tensor, mb: MegatronMicroBatch, rotary=None, mtp_args: MTPArgs | None = None):
         """:meth:`_logprobs` from the decoder's final-norm hidden states ``[t, H]``."""
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
@@ -250,7 +236,7 @@ class MegatronEngine:
         )
         if mtp_args is None:
             return logp, entropy, None, {}
-        targets, group = mtp_args["targets"], self.tp_group if tp > 1 else None
+        targets, group = mtp_args.targets, self.tp_group if tp > 1 else None
         embedding = self.module.embedding.word_embeddings.weight  # this rank's vocabulary rows
         mtp_hidden = mtp_forward(
             self.mtp, hidden, targets.embed_ids[0], embedding, rotary, mb.params, self.vocab_start, group
@@ -259,8 +245,8 @@ class MegatronEngine:
             mtp_hidden,
             self._output_weight(),
             targets.labels[0],
-            mtp_args["counts"][0],
-            self.mtp_config.loss_scale,
+            mtp_args.counts[0],
+            mtp_args.loss_scale,
             self.vocab_start,
             self.config.logprob_chunk_size,
             group,
@@ -275,15 +261,9 @@ class MegatronEngine:
         dist.all_gather(parts, local.contiguous(), group=self.cp_group)
         return cp_gather(parts, mb.batch.cu_seqlens)
 
-    # ---- public operations ---------------------------------------------------------------------
-    @torch.no_grad()
-    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
-        """Token-aligned log-probs of every sample under the current weights (position 0 is 0);
-        the same on every rank of a TP x CP group."""
-        samples = self._fit_cap(samples)
-        self._check_same_samples(samples)
+    def _packed_logprobs(self, mbs: list[MegatronMicroBatch]):
+        """The whole row's log-probs (the same on every rank of a TP x CP group)."""
         self.module.eval()
-        plan, mbs, _ = self._micro_batches(samples, None)
         if self.stage.size > 1:  # the last stage's head: log-probs, no loss
 
             def head(hidden, mb):
@@ -292,57 +272,13 @@ class MegatronEngine:
             per_mb = run_pipeline(self, mbs, head, forward_only=True)
         else:
             per_mb = [self._gather_cp(self._logprobs(mb)[0], mb) for mb in mbs]
-        out: list[torch.Tensor | None] = [None] * len(samples)
-        for indices, mb, full in zip(plan, mbs, per_mb):
-            for i, pred in zip(indices, unpack_per_token(full.float().cpu(), mb.batch)):
-                out[i] = torch.cat([pred.new_zeros(1), pred[:-1]])
-        return out
+        return [(mb.batch, full.float().cpu()) for mb, full in zip(mbs, per_mb)]
 
-    def train_step(
-        self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
-    ) -> dict[str, float]:
-        """``ppo_minibatches`` optimizer steps over interleaved slices, one version bump (as FSDP2)."""
-        return minibatch_train_step(self, samples, loss, step, self.config.ppo_minibatches)
-
-    def forward_backward(
-        self, samples: Sequence[TrainSample], loss: Loss, step: int | None = None
-    ) -> dict[str, float]:
-        """Accumulate one step's gradients over packed micro-batches (samples and losses as
-        :meth:`areal_npu.train.fsdp2.FSDPEngine.forward_backward`); returns global stats."""
-        check_loss_layout(loss, self.config.megatron.cp_size)  # before any work
-        step = self.version if step is None else step
-        cap = self.config.packing.max_tokens_per_mb
-        truncated = sum(len(s) > cap for s in samples)
-        samples = loss.check(self._fit_cap(samples), step)
-        self._check_same_samples(samples)
-        plan, mbs, pack_stats = self._micro_batches(samples, loss)
-
-        # global counts: over micro-batches and data-parallel ranks (TP/CP ranks hold copies)
-        local_tokens = float(sum(int(s.loss_mask[1:].sum()) for s in samples))  # shifted: t predicts t+1
-        n_tokens = reduce_floats([local_tokens], dist.ReduceOp.SUM, self.dp_group)[0]
-        n_seqs = reduce_floats(
-            [float(sum(bool(s.loss_mask[1:].any()) for s in samples))], dist.ReduceOp.SUM, self.dp_group
-        )[0]
-        denominator = loss.denominator(n_tokens, n_seqs)
-
-        mtp_args = [None] * len(mbs)
-        if self.mtp is not None:
-            mtp_args = mtp_targets(mbs, plan, samples, self.pad_token_id, self.device, self.dp_group)
-
+    def _accumulate(self, mbs: list[MegatronMicroBatch], mtp_args, mb_loss) -> list:
         self.module.train()
         if self.mtp is not None:
             self.mtp.train()
         self.optimizer.zero_grad()
-
-        def mb_loss(mb, logp, entropy, aux=None, aux_stats=None):
-            cu_seqlens = mb.params.cu_seqlens_q if mb.cp_size == 1 else None
-            main, stats = loss(
-                logp, entropy, mb.fields, denominator=denominator, cu_seqlens=cu_seqlens,
-                policy_version=self.version,
-            )  # fmt: skip
-            stats.update(aux_stats or {})
-            return (main if aux is None else main + aux), (float(mb.fields["loss_mask"].sum()), stats)
-
         if self.stage.size > 1:  # Megatron's schedule runs the backward
             per_mb_stats = run_pipeline(
                 self, mbs, lambda hidden, mb: mb_loss(mb, *self._head(hidden, mb)[:2]), forward_only=False
@@ -354,12 +290,7 @@ class MegatronEngine:
                 total.backward()
                 per_mb_stats.append(result)
         self._reduce_gradients()
-        stats = merge_stats(per_mb_stats, self.dp_cp_group)
-        stats.update(pack_stats)
-        if self.config.packing.on_too_long == "truncate":
-            stats["packing/truncated_sequences"] = float(truncated)
-        stats["train/n_tokens"] = n_tokens
-        return stats
+        return per_mb_stats
 
     def _reduce_gradients(self) -> None:
         """Sum the fp32 gradients over the DP x CP group (each rank's loss covers its own tokens),
@@ -389,7 +320,7 @@ class MegatronEngine:
     # ---- weights -------------------------------------------------------------------------------
     def named_mcore_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under Megatron names (TP shards); the MTP layer's under
-        :data:`MTP_MODULE`."""
+        :data:`.mtp.MTP_MODULE`."""
         named = dict(self.module.named_parameters())
         if self.mtp is not None:
             named.update((MTP_MODULE + n, p) for n, p in self.mtp.named_parameters())
@@ -413,7 +344,7 @@ class MegatronEngine:
             out.update(mtp_mcore_to_hf(self.optimizer.grads(1), self.shape, self.tp_group, grads=True))
         return out
 
-    def export_buckets(self, bucket_bytes: int = 256 << 20, kinds: Sequence[str] = ("policy", "mtp")):
+    def export_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, kinds: Sequence[str] = ("policy", "mtp")):
         """Weights for the rollout sync in size-bounded buckets, ``(kind, [(name, tensor), ...])``,
         as :meth:`areal_npu.train.fsdp2.FSDPEngine.export_buckets` (:func:`.checkpoint.export_buckets`)."""
         from areal_npu.train.megatron.checkpoint import export_buckets

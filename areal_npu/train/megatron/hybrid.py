@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from areal_npu.train.megatron.model import GPTShape
+from areal_npu.train.megatron.shape import GPTShape, text_config
+from areal_npu.train.megatron.specs import layer_spec
 
 __all__ = ["GatedDeltaNetAttention", "check_hybrid_layout", "hybrid_layer_specs"]
 
@@ -82,9 +83,7 @@ def hybrid_layer_specs(hf_config, shape: GPTShape, layers: range) -> list:
     """Megatron layer specs of the global decoder layers ``layers`` (one pipeline stage's)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from areal_npu.train.megatron.model import _text_config, layer_spec
-
-    text = _text_config(hf_config)
+    text = text_config(hf_config)
     specs = []
     for i in layers:
         spec = layer_spec()

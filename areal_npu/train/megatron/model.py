@@ -28,20 +28,18 @@ is the intended path (see that module for why it is not used here).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from areal_npu.train.megatron.hybrid import check_hybrid_layout, hybrid_layer_specs
 from areal_npu.train.megatron.runtime import import_megatron
+from areal_npu.train.megatron.shape import HYBRID_TYPES, GPTShape, gpt_shape, text_config
+from areal_npu.train.megatron.specs import TorchRMSNorm, layer_spec
 
 __all__ = [
-    "GPTShape",
     "build_gpt_model",
     "check_layout",
     "check_supported",
     "decoder_hidden_states",
-    "gpt_shape",
-    "layer_spec",
     "model_options",
     "recompute_fields",
     "transformer_config",
@@ -49,16 +47,11 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 QWEN35_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-HYBRID_TYPES = ("qwen3_5_text",)  # dense Qwen3.5 / 3.6 text models (:mod:`.hybrid`)
-
-
-def _text_config(hf_config):
-    return getattr(hf_config, "text_config", None) or hf_config
 
 
 def check_supported(hf_config, device_type: str = "cpu") -> None:
     """Raise ``NotImplementedError`` with a sentence when this config cannot be built here."""
-    cfg = _text_config(hf_config)
+    cfg = text_config(hf_config)
     model_type = getattr(cfg, "model_type", None)
     if model_type in HYBRID_TYPES:
         pass  # :mod:`.hybrid`
@@ -80,61 +73,6 @@ def check_supported(hf_config, device_type: str = "cpu") -> None:
         raise NotImplementedError(f"RoPE scaling {rope.get('rope_type')!r} is not mapped")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not mapped (SwiGLU only)")
-
-
-@dataclass(frozen=True)
-class GPTShape:
-    """The shape facts both the model builder and the weight converter need."""
-
-    vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_query_groups: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    # Qwen3.5 / 3.6 hybrids (:mod:`.hybrid`): per layer "linear_attention" | "full_attention" (empty:
-    # dense Qwen3), the Gated DeltaNet's (Hk, dk, Hv, dv, conv kernel) and the rotary fraction of a head
-    layer_types: tuple[str, ...] = ()
-    linear_dims: tuple[int, ...] = ()
-    rotary_percent: float = 1.0
-
-    @property
-    def hybrid(self) -> bool:
-        return bool(self.layer_types)
-
-
-def gpt_shape(hf_config) -> GPTShape:
-    cfg = _text_config(hf_config)
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    heads = cfg.num_attention_heads
-    hybrid = {}
-    if getattr(cfg, "model_type", None) in HYBRID_TYPES:
-        hybrid = dict(
-            layer_types=tuple(cfg.layer_types),
-            linear_dims=(cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
-                         cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim),  # fmt: skip
-            rotary_percent=float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))),
-        )
-    return GPTShape(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.intermediate_size,
-        num_layers=cfg.num_hidden_layers,
-        num_heads=heads,
-        num_query_groups=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=float(theta),
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        **hybrid,
-    )
 
 
 def check_divisible(shape: GPTShape, tp_size: int) -> None:
@@ -172,8 +110,6 @@ def check_layout(
     pipeline stages; a Qwen3.5 hybrid's limits, :func:`.hybrid.check_hybrid_layout`); ``ValueError``
     naming the size otherwise. CP needs nothing of a dense model: the packer pads every sequence to a
     multiple of ``2 * cp``."""
-    from areal_npu.train.megatron.hybrid import check_hybrid_layout
-
     shape = gpt_shape(hf_config)
     check_divisible(shape, tp_size)
     check_hybrid_layout(shape, tp_size, cp_size, sequence_parallel)
@@ -278,44 +214,10 @@ def model_options(train) -> dict:
     )
 
 
-class TorchRMSNorm:
-    """Megatron's ``WrappedTorchNorm`` (``torch.nn.RMSNorm``) minus its refusal of sequence
-    parallelism. The refusal is about gradients, not the maths: under sequence parallelism a norm
-    sees only its rank's share of the tokens, so its weight gradient is a partial sum over TP.
-    Megatron marks such weights ``sequence_parallel`` and all-reduces them in
-    ``finalize_model_grads``; this norm marks them the same way and the engine all-reduces them."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
-            raise NotImplementedError("TorchRMSNorm is a plain RMSNorm (no zero-centred gamma)")
-        # in the compute dtype, as every Megatron layer's params_dtype (bf16: fp32 masters elsewhere)
-        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
-        norm.weight.sequence_parallel = bool(config.sequence_parallel)
-        return norm
-
-
-def layer_spec():
-    """Megatron's local GPT layer spec (qk RMSNorm) with :class:`PackedCoreAttention` as core
-    attention and :class:`TorchRMSNorm` as every norm."""
-    import_megatron()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from areal_npu.train.megatron.attention import PackedCoreAttention
-
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    attention = spec.submodules.self_attention.submodules
-    attention.core_attention = PackedCoreAttention
-    attention.q_layernorm = attention.k_layernorm = TorchRMSNorm
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
-    return spec
-
-
 def block_spec(hf_config, layers: range):
     """The decoder layers ``layers`` (global indices: one pipeline stage's): :func:`layer_spec` per
     layer (a Qwen3.5 hybrid's per layer type, :mod:`.hybrid`) and a :class:`TorchRMSNorm` final norm."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from areal_npu.train.megatron.hybrid import hybrid_layer_specs
 
     shape = gpt_shape(hf_config)
     specs = hybrid_layer_specs(hf_config, shape, layers) if shape.hybrid else [layer_spec()] * len(layers)

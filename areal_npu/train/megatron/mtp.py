@@ -46,13 +46,15 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from areal_npu import names
 from areal_npu.config import ConfigError
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.train.megatron import convert
 from areal_npu.train.megatron.convert import LAYER_TABLE, Rule
-from areal_npu.train.megatron.model import GPTShape
+from areal_npu.train.megatron.shape import GPTShape
 
 __all__ = [
+    "MTP_MODULE",
     "MTP_RULES",
     "build_mtp_layer",
     "check_mtp",
@@ -64,6 +66,10 @@ __all__ = [
     "vocab_parallel_embedding",
     "vocab_parallel_mtp_loss",
 ]
+
+#: The prefix of the MTP layer's parameters in the engine's Megatron names
+#: (``MegatronEngine.named_mcore_parameters``, the checkpoint's optimizer shards).
+MTP_MODULE = "mtp_layer."
 
 #: HF ``mtp.*`` <-> Megatron ``MultiTokenPredictionLayer`` names; kinds as in :mod:`.convert`, plus
 #: ``zc`` / ``zc_head_norm`` (zero-centred norms: Megatron holds ``1 + w``) and ``gated_qkv``.
@@ -88,7 +94,6 @@ def check_mtp(mtp_config: MTPConfig, pp_size: int = 1) -> None:
     Any TP and CP size works (with or without sequence parallelism); ``pp_size`` must be 1."""
     if not mtp_config.enabled:
         return
-    mtp_config.validate()
     if mtp_config.num_depths != 1:
         raise ConfigError(
             "mtp.num_depths", f"the Megatron engine trains MTP depth 1 only (got {mtp_config.num_depths}): "
@@ -117,7 +122,7 @@ def head_state(lm, mtp, mtp_config: MTPConfig | None, layout) -> dict[str, torch
 
         check_mtp(mtp_config, layout.pp_size)  # before loading anything
         mtp = attach_mtp(lm, mtp_config, getattr(lm.config, "name_or_path", None) or None)
-    return {"mtp." + n: p for n, p in mtp.state_dict().items()} if mtp is not None else None
+    return {names.MTP_PREFIX + n: p for n, p in mtp.state_dict().items()} if mtp is not None else None
 
 
 def mtp_transformer_config(
@@ -152,7 +157,7 @@ def build_mtp_layer(
     )
 
     from areal_npu.platform import current_platform
-    from areal_npu.train.megatron.model import layer_spec
+    from areal_npu.train.megatron.specs import layer_spec
 
     platform = current_platform()
     cfg = mtp_transformer_config(hf_config, tp_size, dtype, platform.device_type == "cpu", recompute, cp_size)
@@ -212,18 +217,19 @@ def mtp_forward(
     return run(**inputs)[:, 0]
 
 
-def mtp_targets(mbs, plan, samples, pad_token_id: int, device, dp_group) -> list[dict]:
-    """Per micro-batch the head's depth-1 targets, built as the FSDP2 engine builds them (from the
-    whole packed row and its token-aligned loss mask) and then cut to this CP rank's zigzag share,
-    and the global count over the DP group (counted before the cut: the CP ranks share one batch)."""
+def mtp_targets(mbs, plan, samples, pad_token_id: int, device, dp_group, loss_scale: float) -> list:
+    """Per micro-batch the head's :class:`areal_npu.train.forward.MTPArgs`: its depth-1 targets,
+    built as the FSDP2 engine builds them (from the whole packed row and its token-aligned loss
+    mask) and then cut to this CP rank's zigzag share, and the global count over the DP group
+    (counted before the cut: the CP ranks share one batch)."""
     import torch.distributed as dist
 
     from areal_npu.data.packed_layout import pack_per_token
     from areal_npu.model.mtp_targets import build_mtp_targets, split_mtp_targets_for_cp
     from areal_npu.train.dist import reduce_floats
-    from areal_npu.train.forward import IGNORE
+    from areal_npu.train.forward import IGNORE, MTPArgs
 
-    out = []
+    out, local = [], 0
     for indices, mb in zip(plan, mbs):
         packed = mb.batch
         mask = pack_per_token([samples[i].loss_mask.to(torch.bool) for i in indices], packed, False)
@@ -233,11 +239,11 @@ def mtp_targets(mbs, plan, samples, pad_token_id: int, device, dp_group) -> list
         n_valid = targets.valid_counts()[0]
         targets = split_mtp_targets_for_cp(targets, packed.cu_seqlens, mb.cp_size, mb.cp_rank)
         targets.embed_ids, targets.labels = targets.embed_ids.to(device), targets.labels.to(device)
-        out.append({"targets": targets, "n_valid": n_valid})
-    local = [float(sum(a["n_valid"] for a in out))]
-    counts = [int(c) for c in reduce_floats(local, dist.ReduceOp.SUM, dp_group)]
+        out.append(MTPArgs(targets, loss_scale))
+        local += n_valid
+    counts = [int(c) for c in reduce_floats([float(local)], dist.ReduceOp.SUM, dp_group)]
     for a in out:
-        a["counts"] = counts
+        a.counts = counts
     return out
 
 
@@ -257,7 +263,6 @@ def vocab_parallel_mtp_loss(
     import torch.distributed as dist
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    from areal_npu import names
     from areal_npu.train.forward import IGNORE
     from areal_npu.train.megatron.logprobs import vocab_parallel_logprobs_entropy
 
@@ -289,7 +294,7 @@ def vocab_parallel_mtp_loss(
         names.mtp_loss_key(1): float(loss_d.detach()),
         names.mtp_acc_key(1): hits / denom,
         names.mtp_count_key(1): float(keep.numel()),
-        "mtp/loss": float(loss.detach()),
+        names.MTP_LOSS: float(loss.detach()),
     }
     return loss, stats
 

@@ -226,9 +226,7 @@ class MasterOptimizer:
 def optimizer_step(engine, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
     """:meth:`MegatronEngine.optimizer_step`: clip the policy and the MTP head apart (:mod:`.grads`),
     refuse non-finite norms (nothing applied), step the masters, refresh the params."""
-    import math
-
-    from areal_npu.algo.guard import NonFiniteError
+    from areal_npu.train.base import optimizer_stats, refuse_non_finite
     from areal_npu.train.megatron.grads import clip_groups
 
     step = engine.version if step is None else step
@@ -237,15 +235,9 @@ def optimizer_step(engine, step: int | None = None, bump_version: bool = True) -
     if engine.mtp is not None:
         groups.append((engine.grad_norm(mtp=True), list(opt.grads(1).values())))
     norms = [n for n, _ in groups]
-    if not all(math.isfinite(n) for n in norms):
-        opt.zero_grad()
-        raise NonFiniteError(step, "grad_norm", f"step {step}: gradient norms {norms}; update not applied")
+    refuse_non_finite(norms, step, opt.zero_grad)
     clip_groups(groups, engine.config.optim.grad_clip)
     opt.step()
     if bump_version:
         engine.version += 1
-    return {
-        "train/grad_norm": norms[0],
-        "train/lr": opt.scheduler.get_last_lr()[0],
-        "train/version": float(engine.version),
-    }
+    return optimizer_stats(norms[0], opt.scheduler.get_last_lr()[0], engine.version)

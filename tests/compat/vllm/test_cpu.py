@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from areal_npu.compat.vllm import cpu as vllm_cpu
+from areal_npu.compat.vllm import features as vllm_version
 from areal_npu.model.tiny import TEXT_FULL_ATTENTION, TinyModelConfig, save_tiny_model
-from areal_npu.rollout import vllm_features
 
 needs_vllm_cpu = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -112,7 +112,7 @@ def test_install_and_remove_hook(tmp_path, monkeypatch):
 @pytest.mark.slow
 @needs_vllm_cpu
 @pytest.mark.skipif(
-    not vllm_features.has("qwen3_5_text_class"),
+    not vllm_version.has("qwen3_5_text_class"),
     reason="vLLM 0.23 serves Qwen3.5 only in the published layout (tests/rollout/test_engine.py runs it there)",
 )
 def test_vllm_cpu_serves_tiny_qwen35_with_mtp_speculation(tmp_path):

@@ -20,11 +20,11 @@ import torch
 pytest.importorskip("vllm")
 
 from areal_npu.compat.vllm import cpu_mamba  # noqa: E402
-from areal_npu.rollout import vllm_features  # noqa: E402
+from areal_npu.compat.vllm import features as vllm_version  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 needs_registry = pytest.mark.skipif(
-    not vllm_features.has("cpu_kernel_registry"), reason="vLLM 0.23 has neither these kernels nor the registry"
+    not vllm_version.has("cpu_kernel_registry"), reason="vLLM 0.23 has neither these kernels nor the registry"
 )
 
 BLOCK = 4  # tokens per mamba block in the decision tests

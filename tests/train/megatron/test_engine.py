@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
+from areal_npu import names  # noqa: E402
 from areal_npu.algo.guard import NonFiniteError  # noqa: E402
 from areal_npu.config import ConfigError  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
@@ -91,13 +92,13 @@ def test_logprobs_loss_stats_and_grads_equal_the_fsdp2_engine():
         s.prox_logp = lp
     stats = mega.forward_backward(samples, PPOLoss())
     want = fsdp.forward_backward(samples, PPOLoss())
-    assert stats["packing/micro_batches"] >= 3  # the cap really split the batch
+    assert stats[names.PACKING_MICRO_BATCHES] >= 3  # the cap really split the batch
     assert set(stats) == set(want)  # same stats keys as the FSDP2 engine
     for key, value in want.items():
         assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     loss = naive_decoupled_loss(reference, samples)
     loss.backward()
-    assert stats["ppo/loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
+    assert stats[names.PPO_LOSS] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
     grads, grads_fsdp = mega.hf_grads(), fsdp_grads(fsdp)
     assert sorted(grads) == sorted(grads_fsdp)
     for name, param in reference.named_parameters():
@@ -115,8 +116,8 @@ def test_optimizer_steps_with_clipping_equal_the_fsdp2_engine():
         for s, lp in zip(samples, mega.compute_logprobs(samples)):
             s.prox_logp = lp
         got, want = mega.train_step(samples, PPOLoss()), fsdp.train_step(samples, PPOLoss())
-        assert got["train/grad_norm"] > 0.05  # clipping was active
-        for key in ("train/grad_norm", "ppo/loss", "train/lr", "train/version"):
+        assert got[names.TRAIN_GRAD_NORM] > 0.05  # clipping was active
+        for key in (names.TRAIN_GRAD_NORM, names.PPO_LOSS, names.TRAIN_LR, names.TRAIN_VERSION):
             assert got[key] == pytest.approx(want[key], rel=1e-5), key
     weights = dict(mega.full_state_dict())
     for name, tensor in fsdp.full_state_dict():
@@ -131,7 +132,7 @@ def test_sft_learns_and_nonfinite_input_applies_nothing():
     first = mega.train_step(samples, SFTLoss())
     for _ in range(5):
         last = mega.train_step(samples, SFTLoss())
-    assert last["sft/nll"] < first["sft/nll"] - 0.1 and mega.version == 6
+    assert last[names.SFT_NLL] < first[names.SFT_NLL] - 0.1 and mega.version == 6
     ppo = make_samples()
     for s, lp in zip(ppo, mega.compute_logprobs(ppo)):
         s.prox_logp = lp

@@ -22,7 +22,7 @@ def one_process_group():
 
 def test_convert_round_trips_every_tp_split():
     from areal_npu.train.megatron.convert import hf_to_mcore, mcore_to_hf
-    from areal_npu.train.megatron.model import gpt_shape
+    from areal_npu.train.megatron.shape import gpt_shape
 
     config, hf = tiny_qwen3()
     state = hf.state_dict()

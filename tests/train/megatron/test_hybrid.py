@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
+from areal_npu import names  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.model.mtp import MTPConfig  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
@@ -35,7 +36,7 @@ FOUR_LINEAR_KEY_HEADS = dict(num_key_value_heads=4)  # the Gated DeltaNet's head
 
 
 def _megatron(lm, head=None, tp=1, pp=1, mtp=None, recompute=False, cp=1, sp=False):
-    from areal_npu.train.megatron.config import MegatronLayoutConfig
+    from areal_npu.train.config import MegatronLayoutConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
     cfg = megatron_config(packing=PackingConfig(max_tokens_per_mb=CAP), optim=OptimConfig(**OPTIM),
@@ -71,7 +72,7 @@ def _fsdp_grads(engine):
 def _assert_equal(got, want, rtol=1e-4):
     for a, b in zip(got["prox"], want["prox"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    for key in ("ppo/loss", "train/grad_norm", "train/n_tokens"):
+    for key in (names.PPO_LOSS, names.TRAIN_GRAD_NORM, names.TRAIN_N_TOKENS):
         assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-5), key
     assert sorted(got["grads"]) == sorted(want["grads"])
     for name, grad in want["grads"].items():
@@ -97,9 +98,9 @@ def test_ppo_step_and_mtp_head_equal_the_fsdp2_engine():
     init_distributed()
     _, lm, head = tiny_qwen35()
     got, want = _step(_megatron(lm, head, mtp=MTP)), _step(_fsdp(lm, head, mtp=MTP))
-    assert got["stats"]["packing/micro_batches"] >= 2
+    assert got["stats"][names.PACKING_MICRO_BATCHES] >= 2
     assert any(n.startswith("mtp.") for n in want["grads"]) and any("linear_attn" in n for n in want["grads"])
-    for key in ("mtp/loss", "mtp/acc_d1"):
+    for key in (names.MTP_LOSS, names.mtp_acc_key(1)):
         assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-5), key
     _assert_equal(got, want)
 
@@ -144,7 +145,7 @@ def test_parallel_ranks_equal_one_process(tmp_path, layout, mtp):
     for rank in range(world):
         got = torch.load(tmp_path / f"out.{rank}", weights_only=False)
         if mtp:
-            for key in ("mtp/loss", "mtp/acc_d1", "mtp/n_d1"):
+            for key in (names.MTP_LOSS, names.mtp_acc_key(1), names.mtp_count_key(1)):
                 assert got["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
         _assert_equal(got, one)
 

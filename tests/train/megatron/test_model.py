@@ -21,7 +21,8 @@ def one_process_group():
 
 def _megatron(config, hf):
     from areal_npu.train.megatron.convert import hf_to_mcore
-    from areal_npu.train.megatron.model import build_gpt_model, gpt_shape
+    from areal_npu.train.megatron.model import build_gpt_model
+    from areal_npu.train.megatron.shape import gpt_shape
 
     model = build_gpt_model(config)
     missing, unexpected = model.load_state_dict(hf_to_mcore(hf.state_dict(), gpt_shape(config)), strict=False)

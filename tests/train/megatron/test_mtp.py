@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
+from areal_npu import names  # noqa: E402
 from areal_npu.config import ConfigError  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.model.mtp import MTPConfig, Qwen35MTP, init_mtp_weights  # noqa: E402
@@ -96,16 +97,16 @@ def test_mtp_loss_grads_step_and_export_equal_the_fsdp2_engine():
         lambda e: _grads((n[len("lm.") :], p) for n, p in e.module.named_parameters() if n.startswith("lm.")),
     )
     m_stats, m_grads, _ = _run(meg, copy.deepcopy(samples), lambda e: e.hf_grads(), lambda e: None)
-    for key in ("mtp/loss", "mtp/loss_d1", "mtp/acc_d1", "ppo/loss"):
+    for key in (names.MTP_LOSS, names.mtp_loss_key(1), names.mtp_acc_key(1), names.PPO_LOSS):
         assert m_stats[key] == pytest.approx(f_stats[key], rel=1e-5, abs=1e-7), key
-    assert f_stats["mtp/loss"] > 0 and m_stats["mtp/n_d1"] == f_stats["mtp/n_d1"] > 0
+    assert f_stats[names.MTP_LOSS] > 0 and m_stats[names.mtp_count_key(1)] == f_stats[names.mtp_count_key(1)] > 0
     assert sorted(n for n in m_grads if n.startswith("mtp.")) == sorted(f_mtp)
     for name, grad in {**f_mtp, **f_lm}.items():
         assert grad.abs().sum() > 0 or not name.startswith("mtp."), name
         torch.testing.assert_close(m_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
     f_step, m_step = fsdp.optimizer_step(), meg.optimizer_step()
-    assert m_step["train/grad_norm"] == pytest.approx(f_step["train/grad_norm"], rel=1e-5)
+    assert m_step[names.TRAIN_GRAD_NORM] == pytest.approx(f_step[names.TRAIN_GRAD_NORM], rel=1e-5)
     after_f = _full((f"mtp.{n}", p) for n, p in fsdp.module.mtp.named_parameters())
     after_m = {n: t for n, t in meg.full_state_dict() if n.startswith("mtp.")}
     moved = 0
@@ -159,7 +160,7 @@ def test_factory_builds_the_head_from_the_checkpoint_and_a_resume_continues_exac
     b = build_engine(train, saved, MTPConfig(enabled=True), pad_token_id=0)  # head from mtp.* in the file
     b.load_checkpoint(saved)
     got = step(b, 1)
-    for key in ("ppo/loss", "mtp/loss", "train/grad_norm"):
+    for key in (names.PPO_LOSS, names.MTP_LOSS, names.TRAIN_GRAD_NORM):
         assert got[key] == pytest.approx(expected[key], rel=1e-6), key
     wa, wb = dict(a.full_state_dict()), dict(b.full_state_dict())
     assert any(n.startswith("mtp.") for n in wa) and sorted(wa) == sorted(wb)

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
+from areal_npu import names  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.model.mtp import MTPConfig, Qwen35MTP, init_mtp_weights  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
@@ -68,9 +69,9 @@ def test_mtp_on_two_ranks_equals_one_process(tmp_path, tp, cp):
     two = torch.load(tmp_path / "out.pt", weights_only=False)
     init_distributed()
     one = _run(1)
-    for key in ("mtp/loss", "mtp/loss_d1", "mtp/acc_d1", "mtp/n_d1", "ppo/loss", "train/grad_norm"):
+    for key in (names.MTP_LOSS, names.mtp_loss_key(1), names.mtp_acc_key(1), names.mtp_count_key(1), names.PPO_LOSS, names.TRAIN_GRAD_NORM):
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
-    assert one["stats"]["mtp/loss"] > 0 and two["mtp_norm"] == pytest.approx(one["mtp_norm"], rel=1e-5)
+    assert one["stats"][names.MTP_LOSS] > 0 and two["mtp_norm"] == pytest.approx(one["mtp_norm"], rel=1e-5)
     assert sorted(two["grads"]) == sorted(one["grads"]) and any(n.startswith("mtp.") for n in one["grads"])
     for name, grad in one["grads"].items():
         torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)

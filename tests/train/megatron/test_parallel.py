@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
+from areal_npu import names  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
@@ -103,9 +104,9 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, tp, cp):
     if cp * tp > 1:  # a DP rank sees half the batch; TP/CP ranks see all of it
         for got, want in zip(two["prox"], one["prox"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert two["stats"]["ppo/loss"] == pytest.approx(one["stats"]["ppo/loss"], rel=1e-5)
-    assert two["stats"]["train/grad_norm"] == pytest.approx(one["stats"]["train/grad_norm"], rel=1e-5)
-    assert two["stats"]["train/n_tokens"] == one["stats"]["train/n_tokens"]
+    assert two["stats"][names.PPO_LOSS] == pytest.approx(one["stats"][names.PPO_LOSS], rel=1e-5)
+    assert two["stats"][names.TRAIN_GRAD_NORM] == pytest.approx(one["stats"][names.TRAIN_GRAD_NORM], rel=1e-5)
+    assert two["stats"][names.TRAIN_N_TOKENS] == one["stats"][names.TRAIN_N_TOKENS]
     assert sorted(two["grads"]) == sorted(one["grads"])
     for name, grad in one["grads"].items():
         torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
+from areal_npu import names as N  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
@@ -22,7 +23,7 @@ CAP = 24  # several micro-batches of different packed lengths
 
 
 def _engine(pp: int, tp: int = 1):
-    from areal_npu.train.megatron.config import MegatronLayoutConfig
+    from areal_npu.train.config import MegatronLayoutConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
     _, hf = tiny_qwen3(num_hidden_layers=LAYERS)
@@ -77,9 +78,9 @@ def test_two_pipeline_stages_equal_one_process(tmp_path, tp):
     for two in ranks:  # every rank answers the same, equal to one process
         for got, want in zip(two["prox"], one["prox"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        for key in ("ppo/loss", "train/grad_norm"):
+        for key in (N.PPO_LOSS, N.TRAIN_GRAD_NORM):
             assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
-        assert two["stats"]["train/n_tokens"] == one["stats"]["train/n_tokens"]
+        assert two["stats"][N.TRAIN_N_TOKENS] == one["stats"][N.TRAIN_N_TOKENS]
         assert sorted(two["grads"]) == sorted(one["grads"])
         for name, grad in one["grads"].items():
             torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
@@ -87,7 +88,7 @@ def test_two_pipeline_stages_equal_one_process(tmp_path, tp):
             assert sorted(two[key]) == sorted(one[key])
             for name, tensor in one[key].items():
                 torch.testing.assert_close(two[key][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    assert one["stats"]["packing/micro_batches"] >= 2  # the schedule really interleaved several
+    assert one["stats"][N.PACKING_MICRO_BATCHES] >= 2  # the schedule really interleaved several
 
 
 def test_pipeline_layouts_the_engine_refuses():
@@ -112,7 +113,7 @@ def test_the_stages_hold_every_weight_once_under_local_layer_numbers():
     import re
 
     from areal_npu.train.megatron.convert import Stage, hf_shape, hf_to_mcore, rules
-    from areal_npu.train.megatron.model import gpt_shape
+    from areal_npu.train.megatron.shape import gpt_shape
 
     hf_config, hf = tiny_qwen3(num_hidden_layers=LAYERS)
     shape, state = gpt_shape(hf_config), hf.state_dict()

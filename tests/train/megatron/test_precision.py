@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
+from areal_npu import names  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.data.sample import TrainSample  # noqa: E402
 from areal_npu.model.mtp import MTPConfig, Qwen35MTP, init_mtp_weights  # noqa: E402
@@ -65,7 +66,7 @@ def test_bf16_engine_computes_in_bf16_and_keeps_fp32_masters_grads_and_states(on
     qkv = engine.module.decoder.layers[0].self_attention.linear_qkv
     qkv.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, m.weight.dtype)))
     stats = engine.forward_backward(sft_samples(), SFTLoss())
-    assert stats["mtp/loss"] > 0
+    assert stats[names.MTP_LOSS] > 0
     params = engine.named_mcore_parameters()
     assert params and all(p.dtype == torch.bfloat16 and p.grad is None for p in params.values())
     opt = engine.optimizer
@@ -98,7 +99,7 @@ def test_bf16_update_equals_fp32_update_within_bf16_error(one_process):
     for dtype in ("float32", "bfloat16"):
         engine = engine_for(dtype, lr=0.1, adam_eps=10.0)
         stats = engine.train_step(samples, SFTLoss())
-        losses[dtype] = (stats["sft/nll"], stats["mtp/loss"])
+        losses[dtype] = (stats[names.SFT_NLL], stats[names.MTP_LOSS])
         updates[dtype] = {n: t - before[n] for n, t in engine.full_state_dict()}
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=1e-2)
     assert any(n.startswith("mtp.") for n in updates["float32"])
@@ -214,7 +215,7 @@ def test_resume_of_sharded_bf16_state_continues_exactly_and_reshards(tmp_path):
     for out in outs:
         expected, got = out["stats"]
         assert (
-            out["equal"] and got["sft/nll"] == expected["sft/nll"] and got["train/lr"] == expected["train/lr"]
+            out["equal"] and got[names.SFT_NLL] == expected[names.SFT_NLL] and got[names.TRAIN_LR] == expected[names.TRAIN_LR]
         )
     saved = outs[0]["saved"]
     from pathlib import Path

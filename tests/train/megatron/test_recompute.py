@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
+from areal_npu import names  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.model.mtp import MTPConfig, Qwen35MTP, init_mtp_weights  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
@@ -58,9 +59,9 @@ def _step(engine):
 
 
 def _assert_same(got, want, rtol, atol):
-    for key in ("ppo/loss", "mtp/loss", "mtp/acc_d1", "mtp/n_d1"):
+    for key in (names.PPO_LOSS, names.MTP_LOSS, names.mtp_acc_key(1), names.mtp_count_key(1)):
         assert got["stats"][key] == pytest.approx(want["stats"][key], rel=rtol, abs=atol), key
-    assert want["stats"]["mtp/loss"] > 0
+    assert want["stats"][names.MTP_LOSS] > 0
     assert sorted(got["grads"]) == sorted(want["grads"]) and any(n.startswith("mtp.") for n in want["grads"])
     for name, grad in want["grads"].items():
         assert grad.abs().sum() > 0, name

@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
+from areal_npu import names  # noqa: E402
 from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
@@ -100,8 +101,8 @@ def test_tp2_with_one_kv_head_and_sequence_parallel_equals_one_process(tmp_path)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for got, want in zip(two["prox"], one["prox"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert two["stats"]["ppo/loss"] == pytest.approx(one["stats"]["ppo/loss"], rel=1e-5)
-    assert two["stats"]["train/grad_norm"] == pytest.approx(one["stats"]["train/grad_norm"], rel=1e-5)
+    assert two["stats"][names.PPO_LOSS] == pytest.approx(one["stats"][names.PPO_LOSS], rel=1e-5)
+    assert two["stats"][names.TRAIN_GRAD_NORM] == pytest.approx(one["stats"][names.TRAIN_GRAD_NORM], rel=1e-5)
     assert sorted(two["grads"]) == sorted(one["grads"])
     for name, grad in one["grads"].items():
         torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
