@@ -87,8 +87,7 @@ def test_described_device_answers_for_auto_and_itself_without_probing():
 
 
 def test_trainer_layout_of_fsdp_and_megatron_configs():
-    from areal_npu.train.config import TrainEngineConfig
-    from areal_npu.train.megatron.config import MegatronLayoutConfig
+    from areal_npu.train.config import MegatronLayoutConfig, TrainEngineConfig
 
     assert TrainerLayout.of(TrainEngineConfig()) == TrainerLayout()
     megatron = TrainEngineConfig(backend="megatron", megatron=MegatronLayoutConfig(tp_size=4, cp_size=2))

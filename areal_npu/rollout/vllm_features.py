@@ -10,7 +10,7 @@ with the version named, or given a 0.23 path -- never accepted and ignored):
   ``vllm.entrypoints.launchers``; 0.23 has them in ``vllm.entrypoints.openai.api_server``
   (the server imports from whichever exists: same functions).
 * ``dynamic_spec_tokens`` -- ``num_speculative_tokens_per_batch_size``, behind runtime ``k``
-  (``spec/k_driver.py``): ``spec.adaptive`` is refused on 0.23.
+  (``speculation/k_driver.py``): ``spec.adaptive`` is refused on 0.23.
 * ``per_request_spec_metrics`` -- ``--per-request-spec-decode-metrics``: on 0.23 a sample's
   ``spec`` is null; acceptance comes from the engine counters (``/areal/metrics``), which 0.23 has.
 * ``qwen3_5_text_class`` -- 0.23 serves Qwen3.5 only in the published (VL) layout: a checkpoint

@@ -78,8 +78,7 @@ def ranks_fit(n: int) -> bool:
 
 def megatron_config(tp: int = 1, cp: int = 1, **kwargs):
     """The ``train`` config of the Megatron engine with a TP x CP layout (``packing`` follows it)."""
-    from areal_npu.train.config import TrainEngineConfig
-    from areal_npu.train.megatron.config import MegatronLayoutConfig
+    from areal_npu.train.config import MegatronLayoutConfig, TrainEngineConfig
 
     return TrainEngineConfig(
         backend="megatron", megatron=MegatronLayoutConfig(tp_size=tp, cp_size=cp), **kwargs

@@ -15,7 +15,7 @@ sets ``SKIP_ENV``), each equivalent in what is sampled:
 With all three, k = 0 inside a speculative engine is measured against an engine started without
 speculation in docs/BENCHMARKS.md.
 
-Why patch 1: vLLM's dynamic speculative decoding (the mechanism ``areal_npu.spec.k_driver`` uses to
+Why patch 1: vLLM's dynamic speculative decoding (the mechanism ``areal_npu.speculation.k_driver`` uses to
 change the draft length at runtime) still runs the drafter's first forward pass at K = 0, so
 that the drafter's KV cache stays complete and drafting can resume at any step
 (``SpecDecodeBaseProposer.propose``: "The prefill forward pass above already ran to keep the
@@ -32,7 +32,7 @@ or holds earlier requests' finite values. ``rollout.spec.off_keeps_drafter_kv: t
 behaviour (none of the three patches is applied).
 
 Patches 1-2 are applied in the worker process (``areal_npu.rollout.worker_ext`` calls
-:func:`apply`), patch 3 in the engine-core process (``areal_npu.spec.k_driver`` calls
+:func:`apply`), patch 3 in the engine-core process (``areal_npu.speculation.k_driver`` calls
 :func:`apply_engine_core` when vLLM builds the scheduler). ``tests/compat/vllm/test_spec_off.py``
 checks that the reasons still exist upstream and that each patched call does what the unpatched
 one does minus the skipped work; the engine tests compare outputs and log-probs with transformers.

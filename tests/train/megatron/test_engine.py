@@ -146,8 +146,7 @@ def test_sft_learns_and_nonfinite_input_applies_nothing():
 
 def test_options_it_cannot_honour_are_refused():
     from areal_npu.model.mtp import MTPConfig
-    from areal_npu.train.config import TrainEngineConfig
-    from areal_npu.train.megatron.config import MegatronLayoutConfig
+    from areal_npu.train.config import MegatronLayoutConfig, TrainEngineConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
     config, hf = tiny_qwen3()
