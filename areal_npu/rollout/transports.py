@@ -178,6 +178,17 @@ class BroadcastTransport:
         if failed:
             await self._fail(version, failed)
 
+    async def _end_members_that_are_down(self, engines: list[int]) -> None:
+        """End the process group of each of ``engines`` that no longer answers. An engine whose
+        server died can leave its worker alive and blocked in the broadcast, holding the group's
+        connection open: the sender then waits out the whole collective timeout (seen on gloo: a
+        SIGKILLed server, 120 s). Its processes gone, the connection closes and the send fails at
+        once; the sync restarts the engine anyway."""
+        for i in engines:
+            engine = self.client.engines[i]
+            if hasattr(engine, "stop") and not await asyncio.to_thread(engine.healthy):
+                await asyncio.to_thread(engine.stop, 1.0)
+
     async def _fail(self, version: int, failed: dict[int, str]):
         """Drop the group (members blocked in it fail at once), abandon every engine's session, and
         raise: a broadcast is all or nothing, so every engine is retried."""
@@ -229,16 +240,16 @@ class BroadcastTransport:
     async def _broadcast(self, version: int, target: str, bucket: list[tuple[str, torch.Tensor]]) -> None:
         layout = collective.bucket_layout(bucket)
         flat = collective.flatten(bucket, self.device)
-        posts = asyncio.ensure_future(
-            self._gather("/areal/update_weights/collective/bucket", {"target": target, "layout": layout})
-        )
+        sending = asyncio.ensure_future(asyncio.to_thread(collective.broadcast, self.group, flat))
+        answers = await self._gather("/areal/update_weights/collective/bucket", {"target": target, "layout": layout})
+        if not sending.done():
+            await self._end_members_that_are_down([i for i, a in answers.items() if isinstance(a, BaseException)])
         try:
-            await asyncio.to_thread(collective.broadcast, self.group, flat)
+            await sending
             error = None
         except Exception as exc:  # noqa: BLE001 - a member died or timed out
             error = exc
             self.group = None  # releases the members still blocked in this broadcast
-        answers = await posts
         failed = {i: f"bucket: {a}" for i, a in answers.items() if isinstance(a, BaseException)}
         if error is not None and not failed:
             failed = {i: f"broadcast: {error}" for i in answers}

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -127,6 +128,51 @@ def test_dropping_the_trainers_group_releases_a_receiver_blocked_in_a_broadcast(
     assert procs[0].wait(timeout=30) == 0, (tmp_path / "rank1.stderr").read_text()[-2000:]
     assert time.monotonic() - start < 15
     assert "Error" in (tmp_path / "rank1.pt.error").read_text()
+
+
+class Member:
+    """An engine as the transport sees it: up or down; ``stop`` ends its process group."""
+
+    def __init__(self, up: bool, ended: threading.Event):
+        self.up, self.ended, self.stopped = up, ended, False
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        return self.up
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.stopped = True
+        self.ended.set()
+
+
+def test_a_member_that_is_down_is_ended_so_the_sender_is_not_left_waiting(monkeypatch):
+    """Seen in vLLM on gloo: an engine's server was SIGKILLed while its worker, blocked in the
+    broadcast, kept the connection open, and the sender waited out the group's whole timeout. The
+    transport ends the process group of a member whose bucket post failed and that no longer answers;
+    the send then fails, and the sync fails naming it. A member that answers is left alone."""
+    ended = threading.Event()
+    engines = [Member(True, ended), Member(False, ended)]
+
+    async def post(i, path, body=None, content=None):
+        if i == 1:
+            raise ConnectionError("All connection attempts failed")
+        return {"loaded": 1}
+
+    async def abort_updates(indices):
+        pass
+
+    def blocked_send(group, flat):  # a gloo send to a worker that holds the connection open
+        assert ended.wait(timeout=60), "the sender was left waiting for the group's timeout"
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(collective, "broadcast", blocked_send)
+    client = SimpleNamespace(engines=engines, _post_json=post, abort_updates=abort_updates)
+    transport = BroadcastTransport(client, "gloo", "127.0.0.1")
+    transport.group = object()
+    with pytest.raises(WeightSyncError) as err:
+        asyncio.run(transport._broadcast(3, "policy", mixed_tensors(0)[:2]))
+    assert engines[1].stopped and not engines[0].stopped
+    assert "ConnectionError" in str(err.value) or "connection attempts failed" in str(err.value)
+    assert transport.group is None
 
 
 class FlakyTransport:
