@@ -33,6 +33,7 @@ import os
 from fastapi import APIRouter
 
 from areal_npu.compat.vllm import features as vllm_version
+from areal_npu.placement.env import ENGINE_CPUS_ENV
 from areal_npu.rollout import generation_routes, guard, spec_routes, weight_routes
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.engine_state import EngineState
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg.spec.validate()  # resolves an adaptive spec's settings in this process (the JSON holds the dict)
     for key, value in cfg.engine_env().items():
         os.environ.setdefault(key, value)
-    cpus = os.environ.get("AREAL_ENGINE_CPUS")
+    cpus = os.environ.get(ENGINE_CPUS_ENV)
     if cpus:  # the launcher's core slice (areal_npu/launch/cpu_binding.py); vLLM's processes inherit it
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     import uvloop
