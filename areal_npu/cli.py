@@ -1,4 +1,4 @@
-"""``areal-npu``: doctor | train | report | plan | bench.
+"""areal-npu: doctor | train | report | plan | tasks | bench.
 
 Config errors exit with code 2 and one line naming the key, never a traceback.
 """
@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from areal_npu.config import ConfigError
 
@@ -36,6 +37,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # --device-kind: validate for the described machines (`device: auto` resolves to that kind);
     # --dry-run: a model.path that is not on this machine is accepted (the plan is for other ones)
+    if args.dry_run and not args.device_kind:  # the plan is for the recipe's own device kind
+        args.device_kind = _recipe_device(args.recipe, args.overrides)
     with contextlib.ExitStack() as scope:
         if args.device_kind:
             scope.enter_context(described_device(args.device_kind))
@@ -46,26 +49,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(RLConfig, args.recipe, args.overrides)
     if args.check:
         print(to_yaml(cfg), end="")
+        print(f"# OK: {args.recipe} is valid" + (f" (checked for {args.device_kind})" if args.device_kind else ""))
         return 0
-    if args.dry_run:  # the placement plan and its estimates; nothing is started, nothing written
-        from areal_npu import placement, step_estimate
+    if args.dry_run:  # the placement plan and its estimates, summary first; nothing started or written
+        from areal_npu import dry_run
 
-        kind = args.device_kind or cfg.device
-        cluster = placement.describe_cluster(kind, args.nodes, args.devices_per_node)
-        plan = placement.plan_recipe(cfg, cluster)
-        estimates = step_estimate.dry_run_estimates(cfg, plan, args.model_config)
-        groups = _ray_groups(plan) if args.launcher == "ray" else None
-        if args.json:
-            ray_part = {"ray_placement_groups": groups} if groups is not None else {}
-            print(json.dumps(plan.to_dict() | {"estimates": estimates.to_dict()} | ray_part, indent=2))
-        else:
-            placement.render(plan)
-            step_estimate.render(estimates)
-            if groups is not None:
-                print("Ray placement groups (STRICT_PACK, one bundle per process):")
-                for node, bundles in enumerate(groups):
-                    print(f"  node {node}: {json.dumps(bundles)}")
-        return 0
+        return dry_run.run(args, cfg)
     if args.launcher == "ray":  # the Ray launcher places every rank and engine; it loads the recipe again
         from areal_npu.launch import ray_launch
 
@@ -101,14 +90,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 #: ``train`` flags that describe the --dry-run plan; without --dry-run they would be ignored
-DRY_RUN_FLAGS = ("json", "nodes", "devices_per_node", "device_kind", "model_config")
+DRY_RUN_FLAGS = ("json", "verbose", "nodes", "devices_per_node", "device_kind", "model_config", "master_addr")
 
 
-def _ray_groups(plan) -> list:
-    """The placement groups the Ray launcher would ask Ray for (pure: Ray is not imported)."""
-    from areal_npu.launch.ray_bundles import placement_groups
+def _recipe_device(recipe: str, overrides: list[str]) -> str | None:
+    """The recipe's ``device`` when it names a kind (npu / cuda / cpu), else None (``auto``, unreadable:
+    validation reports those)."""
+    from omegaconf import OmegaConf
 
-    return placement_groups(plan)
+    try:
+        raw = OmegaConf.merge(OmegaConf.load(recipe), OmegaConf.from_dotlist(list(overrides)))
+        device = OmegaConf.select(raw, "device", default=None)
+    except Exception:  # noqa: BLE001 - load_config gives the proper error right after
+        return None
+    return device if device in ("npu", "cuda", "cpu") else None
 
 
 def _check_dry_run_flags(args: argparse.Namespace) -> None:
@@ -173,16 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run a recipe: asynchronous GRPO with MTP speculative rollouts")
     p.add_argument("recipe", help="recipe YAML, e.g. recipes/cpu/quickstart.yaml")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.optim.lr=1e-5")
     p.add_argument("--check", action="store_true", help="validate the recipe, print it resolved, and exit")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="validate, print the placement plan (process, node, devices, env, role), the trainer's memory per "
-        "device and a step-time prediction, and exit without starting anything",
+        help="validate, print a summary (placement, the trainer's memory per device with its reserve, a "
+        "step-time prediction), one row per role, and exit without starting anything; exit 2 when the memory "
+        "is above train.max_memory_fraction of the device",
     )
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="with --dry-run: also every process's environment, the memory terms, the k sweep and Ray's groups",
+    )
     p.add_argument("--nodes", type=_positive_int, help="with --dry-run: plan for this many nodes (default 1)")
     p.add_argument(
         "--devices-per-node",
@@ -199,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CONFIG_JSON",
         help="with --dry-run: the model's config.json for the memory estimate (model.path's when omitted); "
         "lets the plan run where the checkpoint is not",
+    )
+    p.add_argument(
+        "--master-addr",
+        metavar="ADDR",
+        help="with --dry-run: node 0's address (the Ray head, the trainer's rendezvous across nodes); the "
+        "other nodes' are taken from Ray at launch",
     )
     p.add_argument(
         "--launcher",
@@ -227,8 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_arguments(p)
     p.set_defaults(func=plan.run)
 
+    from areal_npu import tasks_cli
+
+    p = sub.add_parser("tasks", help="task sets: `tasks validate PATH` checks gold / empty / tampered patches")
+    tasks_cli.add_arguments(p)
+
     p = sub.add_parser("bench", help="run one of scripts/bench_*.py (from a source checkout)")
-    p.add_argument("name", nargs="?", help="packing | logprobs | mtp | rollout; none: list them")
+    names = sorted(p.stem[len("bench_") :] for p in (Path(__file__).resolve().parent.parent / "scripts").glob("bench_*.py"))
+    p.add_argument("name", nargs="?", help=f"{' | '.join(names) or 'a scripts/bench_*.py name'}; none: list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed on, e.g. --quick --json out.json")
     p.set_defaults(func=cmd_bench)
     return parser

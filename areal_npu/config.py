@@ -15,7 +15,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
@@ -39,6 +39,13 @@ class ExperimentConfig:
     seed: int = 1
     run_dir: str = "runs/${name}"
     device: str = "auto"  # auto | npu | cuda | cpu; validation resolves auto to what this machine has
+    #: the dotted keys given as ``a.b.c=value`` overrides (set by :func:`load_config`, not a recipe key):
+    #: a section switched off there may leave the recipe's own settings of it unread
+    command_line: ClassVar[frozenset[str]] = frozenset()
+
+    def on_command_line(self, key: str) -> bool:
+        """Whether an override set ``key`` (or a section holding it)."""
+        return any(key == given or key.startswith(given + ".") for given in self.command_line)
 
     def pre_validate(self) -> None:
         """Resolve ``device`` through the device seam before the components validate against it."""
@@ -64,13 +71,35 @@ def _keys_at(default: Any, dotted: str) -> list[str]:
     return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
 
 
+def _deeper(node: Any, leaf: str, prefix: str) -> list[str]:
+    """Dotted paths below ``node`` whose last part is ``leaf`` (``train.lr`` -> ``train.optim.lr``)."""
+    if not dataclasses.is_dataclass(node):
+        return []
+    found = []
+    for f in dataclasses.fields(node):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        child = getattr(node, f.name, None)
+        if f.name == leaf and not dataclasses.is_dataclass(child):
+            found.append(path)
+        found += _deeper(child, leaf, path)
+    return found
+
+
 def _unknown_key_error(schema: type, key: str) -> ConfigError:
-    leaf = key.split(".")[-1]
+    parts = key.split(".")
+    leaf, parent = parts[-1], ".".join(parts[:-1])
     candidates = _keys_at(schema(), key)
     close = difflib.get_close_matches(leaf, candidates, n=1, cutoff=0.6)
-    hint = f"; did you mean {'.'.join(key.split('.')[:-1] + [close[0]])!r}?" if close else ""
-    valid = f" Valid keys here: {', '.join(sorted(candidates))}." if candidates and not close else ""
-    return ConfigError(key, f"unknown key{hint}{valid}")
+    if close:
+        hint = f"; did you mean {'.'.join(parts[:-1] + [close[0]])!r}?"
+    else:
+        node = schema()
+        for part in parts[:-1]:
+            node = getattr(node, part, None)
+        below = _deeper(node, leaf, parent)
+        hint = f"; did you mean {' or '.join(repr(b) for b in below[:3])}?" if below else ""
+    valid = f" Valid keys here: {', '.join(sorted(candidates))}." if candidates and not hint else ""
+    return ConfigError(key, f"unknown key{hint}{'.' if valid else ''}{valid}")
 
 
 def _translate(schema: type, exc: OmegaConfBaseException) -> ConfigError:
@@ -141,6 +170,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _translate(schema, exc) from None
+    if isinstance(obj, ExperimentConfig):
+        obj.command_line = frozenset(item.split("=", 1)[0].strip() for item in overrides)
     validate_tree(obj)
     return obj
 

@@ -10,7 +10,8 @@ row stop the run (:class:`WorkflowFailed`, after a checkpoint of the last traine
 leaving the trainer waiting for a batch that never fills. An engine that dies is restarted by the
 client, which re-issues its requests and, through :meth:`RLController.resync_engine`, brings it to
 the weights the others serve; its tokens carry the version it really holds (the checkpoint it
-restarted from until then), so the staleness check at consumption judges them honestly.
+restarted from until then), so the staleness check at consumption judges them honestly. Weights
+travel as a stream from the trainer's export (:func:`exported`): the controller keeps no copy.
 
 Phase times are measured every step (:data:`areal_npu.names.PHASES`): T_gen (waiting for the
 batch), T_prox, T_train, T_sync; and the workflows' time (``reward``, a side phase).
@@ -19,6 +20,7 @@ batch), T_prox, T_train, T_sync; and the workflows' time (``reward``, a side pha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import traceback
@@ -26,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from areal_npu import names
@@ -46,7 +49,9 @@ class ControllerConfig:
     max_staleness: int = 1  # 0: synchronous RL
     max_concurrent_groups: int = 16
     checkpoint_every: int = 5  # 0: only at the end
-    eval_every: int = 0  # held-out eval (one sample per prompt) every N steps, before step 0 and at the end; 0: off
+    eval_every: int = (
+        0  # held-out eval (one sample per prompt) every N steps, before step 0 and at the end; 0: off
+    )
     eval_size: int = 128  # held-out prompts per eval (from the task's eval split)
     # the run stops (checkpoint, error, non-zero exit) after this many groups in a row whose workflow
     # raised; a group that finishes resets the count. Above max_concurrent_groups, so one engine
@@ -90,7 +95,8 @@ class RLController:
     (nothing beyond it is used) and ``loss`` the step's loss object
     (:class:`areal_npu.train.losses.PPOLoss`); ``spec`` the engines' speculative decoding (its
     ``sync_draft`` already resolved by the recipe: whether weight pushes carry the drafter);
-    ``seed`` orders the tasks; ``weight_bucket_bytes`` sizes the weight-push buckets."""
+    ``seed`` orders the tasks. The weight-push buckets are the transport's client's
+    (``rollout.weight_bucket_bytes``)."""
 
     def __init__(
         self,
@@ -106,7 +112,6 @@ class RLController:
         grpo: GRPOConfig,
         loss: Loss,
         seed: int,
-        weight_bucket_bytes: int,
         start_step: int = 0,
         eval_tasks: list | None = None,
         weight_sync=None,  # rollout.transports.WeightSync; default: RPC buckets, 2 retries
@@ -115,7 +120,6 @@ class RLController:
         self.spec = spec
         self.grpo = grpo
         self.loss = loss
-        self.weight_bucket_bytes = weight_bucket_bytes
         self.engine = engine
         self.tokenizer = tokenizer
         self.client = client
@@ -144,7 +148,10 @@ class RLController:
         random.Random(seed).shuffle(self.order)
         self.next_task = start_step * cfg.batch_groups  # data position
         self.sync_draft = spec.sync_draft
-        self.last_named: list | None = None  # the last pushed weights, for engines that restart
+        self.pushed = False  # the engines serve a pushed version (re-syncs stream the trainer's again)
+        self.resyncs = 0  # restarted engines brought to the trainer's weights
+        self.training = False  # the trainer computes, pushes or saves (trainer_phase)
+        self.trainer_busy = asyncio.Lock()  # held by the trainer's phases and by a re-sync
         self.spec_driver = None
         if spec.enabled and spec.adaptive:
             from areal_npu.speculation.adaptive import AdaptiveSpecDriver
@@ -233,8 +240,12 @@ class RLController:
         for t in flat:
             key = names.reward_reason_key(t.meta.get("reason", "unknown"))
             reasons[key] = reasons.get(key, 0.0) + 1.0
+            if "env_backend" in t.meta:  # recorded per episode: what isolation the step really had
+                key = names.env_backend_key(t.meta["env_backend"])
+                reasons[key] = reasons.get(key, 0.0) + 1.0
             for name, value in t.meta.get("stats", {}).items():
                 episode.setdefault(names.episode_key(name), []).append(float(value))
+        suspicious = episode.pop(names.episode_key(names.SUSPICIOUS_STAT), None)  # logged as a reward stat
         stats = {
             names.REWARD_MEAN: float(rewards.mean()),
             names.REWARD_MIN: float(rewards.min()),
@@ -246,8 +257,16 @@ class RLController:
             **{k: float(v) for k, v in adv_stats.items()},
             **reasons,
             **{k: sum(v) / len(v) for k, v in episode.items()},
+            **{
+                names.episode_p95_key(n): float(np.percentile(episode[names.episode_key(n)], 95))
+                for n in names.LATENCY_STATS
+                if names.episode_key(n) in episode
+            },  # fmt: skip
         }
-        return [training_sample(t, float(a)) for t, a in zip(flat, adv)], stats
+        if suspicious:
+            stats[names.REWARD_SUSPICIOUS] = sum(suspicious) / len(suspicious)
+        # an episode's earlier segments (its harness rewrote the history) share its advantage
+        return [training_sample(s, float(a)) for t, a in zip(flat, adv) for s in (*t.segments, t)], stats
 
     async def push_weights(self, step: int | None = None) -> float:
         """The trainer's weights to every engine through the weight transport (``self.weight_sync``:
@@ -256,11 +275,7 @@ class RLController:
         from areal_npu.rollout.transports import WeightSyncFailed
 
         start = time.perf_counter()
-        named = [
-            pair
-            for _, bucket in self.engine.export_buckets(self.weight_bucket_bytes)
-            for pair in bucket
-        ]
+        named = exported(self.engine)
         try:
             await self.weight_sync.push(named, self.engine.version, sync_draft=self.sync_draft)
         except WeightSyncFailed as exc:
@@ -268,17 +283,46 @@ class RLController:
                 raise
             checkpoints = self.run_dir / "checkpoints"
             await asyncio.to_thread(self.engine.save_checkpoint, checkpoints, {"step": step}, self.tokenizer)
-            raise WeightSyncFailed(exc.version, exc.attempts, exc.retries, saved=f"step {step} under {checkpoints}") from exc
-        self.last_named = named
+            raise WeightSyncFailed(
+                exc.version, exc.attempts, exc.retries, saved=f"step {step} under {checkpoints}"
+            ) from exc
+        self.pushed = True
         self.version = self.engine.version
         self.version_event.set()
         return time.perf_counter() - start
 
+    @contextlib.asynccontextmanager
+    async def trainer_phase(self):
+        """The trainer computes, pushes or saves: from now re-syncs read nothing (the step's push
+        covers them); one that streams already is waited for."""
+        self.training = True
+        try:
+            async with self.trainer_busy:
+                yield
+        finally:
+            self.training = False
+
     async def resync_engine(self, i: int) -> None:
         """For ``RolloutClient(on_restart=...)``: a restarted engine serves the checkpoint it started
-        from; bring it to the weights the other engines serve (nothing to do before the first push)."""
-        if self.last_named is not None:
-            await self.weight_sync.resync(i, self.last_named, self.version, sync_draft=self.sync_draft)
+        from; bring it to the weights the other engines serve (nothing to do before the first push),
+        streamed from the trainer's export again. Only while the trainer waits for its batch: its
+        weights are then the version the engines serve. While it computes, pushes or saves, nothing
+        here (waiting would hold the engine's restart lock, which the push may need): the push that
+        ends the step reaches every engine, this one included. Re-syncs of several engines take
+        turns (none of them waits for the trainer, so waiting for one cannot deadlock)."""
+        if not self.pushed:
+            return
+        while self.trainer_busy.locked():
+            if self.training:
+                return
+            await asyncio.sleep(0.05)  # another engine's re-sync streams
+        if self.training:
+            return
+        async with self.trainer_busy:
+            await self.weight_sync.resync(i, exported(self.engine), self.version, sync_draft=self.sync_draft)
+        self.resyncs += 1
+        if self.logger is not None:
+            self.logger.print(f"engine {i} restarted: re-synced to version {self.version}")
 
     async def evaluate(self, workflow) -> dict[str, float]:
         """Mean reward of one sample (one episode) per held-out task under the weights the engines
@@ -347,14 +391,15 @@ class RLController:
             t_gen = time.perf_counter() - t0
             samples, batch_stats = self._samples(groups, step)
             stats.update(batch_stats)
-            t1 = time.perf_counter()
-            prox = await asyncio.to_thread(self.engine.compute_logprobs, samples)
-            for s, lp in zip(samples, prox):
-                s.prox_logp = lp
-            t2 = time.perf_counter()
-            stats.update(await asyncio.to_thread(self.engine.train_step, samples, self.loss, step))
-            t3 = time.perf_counter()
-            t_sync = await self.push_weights(step)
+            async with self.trainer_phase():
+                t1 = time.perf_counter()
+                prox = await asyncio.to_thread(self.engine.compute_logprobs, samples)
+                for s, lp in zip(samples, prox):
+                    s.prox_logp = lp
+                t2 = time.perf_counter()
+                stats.update(await asyncio.to_thread(self.engine.train_step, samples, self.loss, step))
+                t3 = time.perf_counter()
+                t_sync = await self.push_weights(step)
             stats.update(await self.client.step_metrics())
             spec_k = self.spec.k_at_start  # the driver, where there is one, changes it between steps
             if self.spec_driver is not None:
@@ -368,17 +413,22 @@ class RLController:
                     names.timing_key("sync"): t_sync,
                     names.timing_key("reward"): self.reward_time,
                     names.STEP_TIME: time.perf_counter() - t0,
+                    names.EPISODES_PER_MIN: 60.0 * len(samples) / max(1e-9, time.perf_counter() - t0),
                 }
             )
             stats.update(live_perf_metrics(stats, spec_k=spec_k))
-            stats.update({names.FAILED_GROUPS: float(self.failures), names.VERSION: float(self.version)})
+            stats.update({names.FAILED_GROUPS: float(self.failures), names.VERSION: float(self.version),
+                          names.ENGINE_RESTARTS: float(sum(self.client.generation)),
+                          names.ENGINE_RESYNCS: float(self.resyncs)})  # fmt: skip
             if workflow is not None and step > 0 and self._eval_due(step):
                 eval_stats = await self.evaluate(workflow)  # after the push: this step's new weights
             stats.update(eval_stats)
             if c.checkpoint_every and ((step + 1) % c.checkpoint_every == 0 or step + 1 == c.steps):
-                await asyncio.to_thread(
-                    self.engine.save_checkpoint, self.run_dir / "checkpoints", {"step": step}, self.tokenizer
-                )
+                checkpoints = self.run_dir / "checkpoints"
+                async with self.trainer_phase():
+                    await asyncio.to_thread(
+                        self.engine.save_checkpoint, checkpoints, {"step": step}, self.tokenizer
+                    )
                 self.saved_step = step
             self.logger.log(step, stats)
             history.append(stats)
@@ -394,7 +444,10 @@ class RLController:
             return exc
         checkpoints = self.run_dir / "checkpoints"
         if self.saved_step != last:
-            await asyncio.to_thread(self.engine.save_checkpoint, checkpoints, {"step": last}, self.tokenizer)
+            async with self.trainer_phase():
+                await asyncio.to_thread(
+                    self.engine.save_checkpoint, checkpoints, {"step": last}, self.tokenizer
+                )
         return WorkflowFailed(exc.failures, exc.budget, exc.exc, saved=f"step {last} under {checkpoints}")
 
     async def run(self, workflow, on_step=None) -> list[dict]:
@@ -408,3 +461,12 @@ class RLController:
                 task.cancel()
             await asyncio.gather(producer, *self.in_flight, return_exceptions=True)
 
+
+def exported(engine: TrainEngine):
+    """The trainer's weights for a sync, as a :class:`~areal_npu.rollout.weight_stream.WeightStream`
+    of its ``export_buckets``: each iteration gathers them again. Tensor by tensor (export buckets of
+    one): the transport makes the buckets it sends, so one bucket is alive, not that one and the
+    export's next."""
+    from areal_npu.rollout.weight_stream import WeightStream
+
+    return WeightStream(lambda: (pair for _, bucket in engine.export_buckets(1) for pair in bucket))

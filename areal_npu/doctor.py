@@ -1,11 +1,21 @@
-"""``areal-npu doctor``: what this machine is, what is installed, and which path each component takes."""
+"""``areal-npu doctor``: what this machine is, what is installed, which path each component takes,
+whether the code agent's sandbox (bubblewrap, user namespaces, cgroups) and the launchers (ray,
+torchrun) work here, and one verdict line at the end.
+
+Each check is a small function of its inputs (file contents, a probe's answer), so the tests fake them.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 import os
 import platform as py_platform
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from areal_npu import __version__
@@ -100,6 +110,136 @@ def component_paths(device: str, versions: dict[str, str | None]) -> dict[str, s
     }
 
 
+@dataclass(frozen=True)
+class Check:
+    """One thing doctor tried: whether it works here, what it found, and what needs it."""
+
+    name: str
+    ok: bool
+    detail: str
+    needed_for: str
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def cpu_quota(read: Callable[[str], str | None] = _read) -> float | None:
+    """Cores this process's control group may use (``cpu.max`` on v2, ``cfs_quota_us / cfs_period_us``
+    on v1), or ``None`` when it sets no limit."""
+    paths = {}
+    for line in (read("/proc/self/cgroup") or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else [""]:
+            paths[name] = path.lstrip("/")
+    v2 = read(str(Path("/sys/fs/cgroup", paths.get("", ""), "cpu.max")))
+    if v2 is not None:
+        quota, _, period = v2.partition(" ")
+        return None if quota == "max" else int(quota) / int(period or 100_000)
+    v1 = Path("/sys/fs/cgroup/cpu", paths.get("cpu", ""))
+    quota, period = read(str(v1 / "cpu.cfs_quota_us")), read(str(v1 / "cpu.cfs_period_us"))
+    if quota is None or int(quota) < 0:
+        return None
+    return int(quota) / int(period or 100_000)
+
+
+def cpu_cores(logical: int | None, affinity: int | None, quota: float | None) -> dict:
+    """Logical CPUs of the machine, and how many this process can run on: its affinity mask, capped
+    by its control group's CPU quota (rounded up)."""
+    usable = affinity or logical or 1
+    if quota is not None:
+        usable = min(usable, max(1, math.ceil(quota)))
+    return {"logical": logical, "usable": usable, "affinity": affinity, "quota": quota}
+
+
+def userns_check(read: Callable[[str], str | None] = _read, euid: int | None = None) -> Check:
+    """Whether unprivileged user namespaces (what a non-setuid bwrap starts with) are allowed."""
+    euid = os.geteuid() if euid is None else euid
+    need = "bwrap without setuid (the code agent's sandbox)"
+    if read("/proc/sys/user/max_user_namespaces") == "0":
+        return Check("user namespaces", False, "user.max_user_namespaces is 0", need)
+    if euid != 0:
+        if read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
+            return Check("user namespaces", False, "kernel.unprivileged_userns_clone is 0", need)
+        if read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
+            why = "AppArmor restricts unprivileged user namespaces (an AppArmor profile for bwrap, or AREAL_NPU_BWRAP=a setuid bwrap)"
+            return Check("user namespaces", False, why, need)
+    return Check("user namespaces", True, "allowed" + (" (running as root)" if euid == 0 else ""), need)
+
+
+def bwrap_check(binary: str | None, available: tuple[bool, str]) -> Check:
+    """bubblewrap found and able to start a jail (it runs ``/bin/true`` in fresh namespaces)."""
+    ok, why = available
+    detail = f"{binary}: starts a jail" if ok else why
+    return Check("bubblewrap", ok, detail, "the code agent's sandbox (env.backend bwrap)")
+
+
+def cgroup_check(open_group: Callable) -> Check:
+    """A control group for a jailed process tree can be made and limited (then removed at once)."""
+    from areal_npu.agent.cgroups import TreeLimits
+
+    need = "limits over a jailed command's whole process tree (else per-process rlimits)"
+    group, why = open_group(TreeLimits(memory_bytes=64 << 20, max_processes=16, cpu_seconds=1.0))
+    if group is None:
+        return Check("cgroups", False, why, need)
+    group.kill_and_remove()
+    kind = {"v2": "cgroup v2, delegated", "v1": "cgroup v1"}.get(group.kind, group.kind)
+    return Check("cgroups", True, f"{kind}: a limited group was created and removed", need)
+
+
+def tool_check(
+    name: str,
+    module: str,
+    needed_for: str,
+    which: Callable = shutil.which,
+    find_spec: Callable = importlib.util.find_spec,
+) -> Check:
+    """A launcher's command on PATH (or beside this interpreter) and its Python package importable."""
+    here = Path(sys.executable).parent / name
+    path = which(name) or (str(here) if here.is_file() else None)
+    if find_spec(module) is None:
+        return Check(name, False, f"the {module} package is not installed", needed_for)
+    if path is None:
+        return Check(name, False, f"{module} is installed but no {name} command is on PATH", needed_for)
+    return Check(name, True, path, needed_for)
+
+
+def sandbox_and_launchers() -> list[Check]:
+    """The sandbox's checks, then the launchers'."""
+    from areal_npu.agent import cgroups, jail
+
+    bwrap = jail.BubblewrapJail()
+    return [
+        bwrap_check(jail.bwrap_binary(), bwrap.available()),
+        userns_check(),
+        cgroup_check(cgroups.open_group),
+        tool_check("ray", "ray", "the recipes' default launcher (LAUNCHER=ray)"),
+        tool_check("torchrun", "torch.distributed.run", "multi-rank launches (LAUNCHER=torchrun)"),
+    ]
+
+
+def verdict(report: dict) -> str:
+    """One line: not ready (and why) when something blocks training, else ready and what is not
+    usable here."""
+    blockers = list(report["problems"])
+    if report["paths"]["rollout"].startswith("unavailable"):
+        blockers.append(f"rollout engines {report['paths']['rollout']}")
+    if blockers:
+        return f"verdict: NOT READY: {'; '.join(blockers)}"
+    if report["device"] == "cpu":
+        where = f"cpu, {report['cpu']['usable']} cores"
+    else:
+        where = f"{report['device']} x{report['device_count']}"
+    line = f"verdict: ready to train ({where})"
+    failed = [c for c in report["checks"] if not c["ok"]]
+    if not failed:
+        return line + "; the code agent's sandbox and both launchers work here"
+    return line + "; not here: " + "; ".join(f"{c['needed_for']} ({c['name']})" for c in failed)
+
+
 def collect() -> dict:
     """Everything doctor reports, as a JSON-serialisable dict."""
     from areal_npu.compat.vllm import cpu as vllm_cpu
@@ -122,6 +262,8 @@ def collect() -> dict:
         "bf16": plat.supports_bf16(),
         "memory": plat.memory_stats(),
         "machine": {"system": py_platform.system(), "arch": py_platform.machine(), "cpus": os.cpu_count()},
+        "cpu": cpu_cores(os.cpu_count(), len(os.sched_getaffinity(0)), cpu_quota()),
+        "checks": [asdict(c) for c in sandbox_and_launchers()],
         "versions": versions,
         "paths": component_paths(plat.device_type, versions),
         # which vLLM the engines run and what it offers (areal_npu/rollout/vllm_features.py)
@@ -139,6 +281,7 @@ def collect() -> dict:
     if plat.warning:
         problems.append(plat.warning)
     report["problems"] = problems
+    report["verdict"] = verdict(report)
     return report
 
 
@@ -151,7 +294,13 @@ def render(report: dict) -> None:
     table = Table(title=f"areal-npu doctor ({report['versions']['areal_npu']})", show_lines=False)
     table.add_column("item", style="bold")
     table.add_column("value")
-    table.add_row("device", f"{report['device']} x{report['device_count']} ({report['device_reason']})")
+    if report["device"] == "cpu":
+        cpu = report["cpu"]
+        limit = f" of {cpu['logical']} logical" if cpu["logical"] and cpu["logical"] != cpu["usable"] else ""
+        device = f"cpu, {cpu['usable']} cores usable{limit}"
+    else:
+        device = f"{report['device']} x{report['device_count']}"
+    table.add_row("device", f"{device} ({report['device_reason']})")
     table.add_row(
         "collectives", f"{report['dist_backend']}  visible-devices: {report['visible_devices_env'] or '-'}"
     )
@@ -174,9 +323,14 @@ def render(report: dict) -> None:
     for key, value in report["compat"].items():
         table.add_row(f"compat: {key}", "-" if value is None else ("installed" if value else "MISSING"))
     table.add_section()
+    for check in report["checks"]:
+        mark = "[green]ok[/]" if check["ok"] else "[yellow]no[/]"
+        table.add_row(check["name"], f"{mark} {escape(check['detail'])}")
+    table.add_section()
     for key, value in report["env"].items():
         if value is not None:
             table.add_row(f"${key}", value)
     console.print(table)
     for problem in report["problems"]:
         console.print(f"[bold red]problem:[/] {problem}")
+    console.print(f"[bold]{escape(report['verdict'])}[/]")

@@ -13,6 +13,9 @@
 - **activations** saved for backward, per token and per layer (formulas below), for every layer
   of the policy and every MTP depth; with activation checkpointing only each layer's input is
   kept and one layer at a time is recomputed;
+- **Gated DeltaNet sequence-parallel gather** (Megatron with sequence or context parallelism): the
+  layer gathers its whole ``[T, h]`` input row and sums its ``[T, h]`` output back (one layer at a
+  time with checkpointing; every such layer's gathered input without);
 - **backward working memory**: the gradients of one layer's activations and of the residual stream;
 - **log-prob chunk buffers** of the chunked kernel (:mod:`areal_npu.kernels.logprobs`): two
   ``[chunk, vocab]`` float32 buffers, the float32 copy of a half-precision head and the float32
@@ -54,7 +57,7 @@ dropout.
 An MTP depth is one full-attention layer plus its fc mixer and three norms: ``+ (24 + 3c)·h``.
 
 **Parallel layout** (:class:`ParallelLayout`): ``dp`` shards parameters, gradients and optimizer
-states (FSDP2; a Megatron distributed optimizer shards only fp32 masters and states); ``tp``
+states (FSDP2; a Megatron distributed optimizer shards only fp32 masters and states, over dp x cp); ``tp``
 divides every weight matrix and (with sequence parallelism) the activations; ``cp`` divides the
 tokens of a micro-batch; ``pp`` gives each stage ``ceil(L / pp)`` layers, and with 1F1B the first
 stage holds ``pp`` micro-batches in flight, so pipeline parallelism divides weights, not
@@ -246,6 +249,7 @@ def estimate_step_memory(
     mtp_depths: int = 0,
     num_segments: int = 1,
     gdn_bytes_per_token: float | None = None,
+    sequence_parallel: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes per device of one training step (forward + backward of one packed micro-batch of
     ``tokens_per_micro_batch`` tokens, gradient accumulation, AdamW step).
@@ -253,6 +257,7 @@ def estimate_step_memory(
     ``mtp_depths``: MTP depths trained (0: no head). ``num_segments``: packed sequences in the
     micro-batch (each pads the Gated DeltaNet fallback's chunking by up to C - 1 tokens).
     ``gdn_bytes_per_token``: replace the Gated DeltaNet formula (a fused kernel's footprint).
+    ``sequence_parallel``: Megatron's sequence parallelism (the Gated DeltaNet gather below).
     """
     layout = layout or ParallelLayout()
     layout.validate()
@@ -265,7 +270,8 @@ def estimate_step_memory(
     with_mtp = mtp_depths > 0
     tp, pp = layout.tp, layout.pp
     fsdp = layout.backend == "fsdp2"
-    shard = layout.dp * tp * pp
+    # Megatron's distributed optimizer shards the fp32 masters and states over DP x CP
+    shard = layout.dp * tp * pp * (1 if fsdp else layout.cp)
     grad_shard = shard if fsdp else tp * pp
     params = dims.num_parameters(with_mtp)
 
@@ -316,6 +322,16 @@ def estimate_step_memory(
         items["compute-dtype weights"] = c * params / (tp * pp)
     items["activations (saved for backward)"] = act_tokens * in_flight * saved
     items["MTP head activations"] = act_tokens * in_flight * mtp_saved
+    # Gated DeltaNet under sequence (TP) / context parallelism: the layer all-gathers its input row
+    # over TP, then CP (train/megatron/hybrid.py, gdn.py): the whole micro-batch's [T, h] in the
+    # compute dtype, kept for the input projections' weight gradient, plus its [T, h] partial output
+    # before the reduce-scatter. With checkpointing one layer holds both at a time; without, every
+    # Gated DeltaNet layer of the stage keeps its gathered input (less the share counted above).
+    split = (tp if sequence_parallel else 1) * layout.cp
+    if n_linear and split > 1 and not fsdp:
+        row = c * tokens_per_micro_batch * h
+        kept = row if gradient_checkpointing else n_linear * in_flight * row * (1 - 1 / split)
+        items["Gated DeltaNet sequence-parallel gather"] = kept + row
     # Backward: gradients of one layer's activations (measured: at most half its saved bytes at
     # once, as they are freed while it runs) + the residual stream's (compute dtype, x2).
     items["backward working memory"] = act_tokens * (BACKWARD_FACTOR * largest_layer + recompute + 2 * c * h)
@@ -335,6 +351,7 @@ def estimate_step_memory(
         "gradient_checkpointing": gradient_checkpointing,
         "logprob_chunk_size": logprob_chunk_size,
         "mtp_depths": mtp_depths,
+        "sequence_parallel": sequence_parallel,
         "parameters": params,
         "activation_bytes_per_token_per_layer": {"full_attention": full_b, "linear_attention": linear_b},
     }

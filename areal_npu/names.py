@@ -4,8 +4,8 @@
 of it is defined here -- written in one place (the controller, the rollout client, the acceptance
 tracker, the adaptive-speculation driver, the losses, the train engines, the packer, the planner) and
 read in another (the status line, ``areal-npu report``, ``areal-npu plan``, the planner, the driver,
-the stats merge), so a rename is one edit. ``tests/test_names.py`` scans the package for a
-``<group>/<name>`` literal (or the ``mtp.`` prefix) spelled anywhere else.
+the stats merge), so a rename is one edit. ``tests/test_names.py`` scans the package, ``kernels/``
+and ``scripts/`` for a ``<group>/<name>`` literal (or the ``mtp.`` prefix) spelled anywhere else.
 
 Phases. One training step runs :data:`PHASES` one after the other, so ``T_step`` is their sum and
 ``timing/step_s`` measures it. ``data`` and ``prepare`` (loading and preparing a batch, as NeMo-RL
@@ -37,6 +37,8 @@ REWARD_MEAN = "reward/mean"
 REWARD_MIN = "reward/min"
 REWARD_MAX = "reward/max"
 REWARD_SOLVED = "reward/solved"  # fraction of trajectories with reward >= 1
+REWARD_SUSPICIOUS = "reward/suspicious"  # fraction whose diff adds exit hooks / runner-like output
+SUSPICIOUS_STAT = "suspicious"  # the per-episode 0/1 stat (meta["stats"]) REWARD_SUSPICIOUS averages
 EVAL_REWARD = "eval/reward"  # held-out prompts, one sample each
 EVAL_SOLVED = "eval/solved"
 EVAL_FAILED = "eval/failed"  # held-out tasks whose generation or grading failed (left out of the means)
@@ -52,6 +54,38 @@ def episode_key(name: str) -> str:
     return f"episode/{name}"
 
 
+# how a multi-turn episode ended (per-episode 0/1 stats; their step means add up to one)
+EPISODE_ENDS = ("submitted", "turn_budget", "token_budget", "format_limit", "env_error")
+
+# a harness episode's new training segments (per-episode counts): compactions -- earlier messages
+# rewritten into a shorter prompt -- apart from the other history rewrites (a reply left out, a re-rendering)
+SEGMENT_STATS = ("history_rewrites", "compactions")
+
+# which limits held for all of an episode's commands (per-episode 0/1 stats, logged as their step
+# means): a control group for each command's process tree (else per-process rlimits), and a size-capped
+# area for its repository copy (else a polled quota)
+LIMIT_STATS = ("limits_cgroup", "limits_disk_area")
+
+# per-episode latencies (seconds) whose spread matters: the step also logs their 95th percentile
+LATENCY_STATS = ("env_start_s", "grade_s")
+
+
+def episode_p95_key(name: str) -> str:
+    """The 95th percentile of a per-episode latency over the step's batch (``episode/env_start_s_p95``)."""
+    return f"episode/{name}_p95"
+
+
+EPISODES_PER_MIN = "episode/per_minute"  # episodes finished per minute of the step's wall time
+
+
+def env_backend_key(backend: str) -> str:
+    """``env/backend_<name>``: the step's episodes that ran on that environment backend."""
+    return f"env/backend_{backend}"
+
+
+ENV_BACKEND_PATTERN = r"env/backend_(.+)"  # env_backend_key's keys; the group is the backend's name
+
+
 def reward_reason_key(reason: str) -> str:
     """``reward/reason_<reason>``: trajectories of the step graded for that reason."""
     return f"reward/reason_{reason}"
@@ -63,6 +97,8 @@ STALENESS_MEAN = "staleness/mean"
 STALE_DROPPED_GROUPS = "staleness/dropped_groups"
 RESPONSE_LEN = "rollout/response_len"  # mean generated tokens per trajectory
 FAILED_GROUPS = "rollout/failed_groups"  # groups dropped by a workflow error, since the start
+ENGINE_RESTARTS = "rollout/engine_restarts"  # engines the client restarted (died or unhealthy), since the start
+ENGINE_RESYNCS = "rollout/engine_resyncs"  # restarted engines re-streamed the trainer's weights, since the start
 VERSION = "rollout/version"  # weight version the engines serve after the step's push
 
 # --- generation throughput (rollout client, acceptance tracker) -----------------------------------
@@ -87,6 +123,19 @@ SPEC_K_NEXT = "rollout/spec_k_next"  # draft length the adaptive policy chose fo
 def spec_accept_rate_pos_key(i: int) -> str:
     """``rollout/spec_accept_rate_pos<i>``: ``u_i``, verify steps whose draft ``i + 1`` was accepted / drafts."""
     return f"rollout/spec_accept_rate_pos{int(i)}"
+
+
+#: per context bucket (``speculation/context.py``: bucket labels such as ``lt4k``, ``4k_16k``)
+SPEC_CTX_PATTERN = (
+    r"rollout/spec_ctx_([a-z0-9_]+?)_(drafts|accept_rate|mean_accepted_len|accept_rate_pos\d+|k)$"
+)
+
+
+def spec_ctx_key(bucket: str, stat: str) -> str:
+    """``rollout/spec_ctx_<bucket>_<stat>``: ``drafts``, ``accept_rate``, ``mean_accepted_len`` or
+    ``accept_rate_pos<i>`` of the requests whose context fell in ``bucket``; ``k``: the draft length
+    the context-aware policy set for the bucket."""
+    return f"rollout/spec_ctx_{bucket}_{stat}"
 
 
 # --- speculation health (spec.planner.live_perf_metrics) -----------------------------------------
@@ -164,6 +213,18 @@ def mtp_count_key(depth: int) -> str:
 
 
 MTP_STAT_PREFIXES = ("mtp/loss_d", "mtp/acc_d", "mtp/n_d")
+
+# --- the EAGLE-3 drafter (model.eagle3, train.forward) ---------------------------------------------
+EAGLE3_STATS = "eagle3/"  # the group: eagle3/loss, eagle3/loss_d<d>, eagle3/acc_d<d>, eagle3/n_d<d>, as mtp/*
+#: Training and export names of the EAGLE-3 drafter's tensors (``eagle3.fc.weight``, ...); the
+#: weight stream strips it: the rest is the name vLLM's ``Eagle3LlamaForCausalLM.load_weights`` takes.
+EAGLE3_PREFIX = "eagle3."
+
+
+def as_eagle3_stats(stats: dict[str, float]) -> dict[str, float]:
+    """``mtp/*`` stats of :func:`areal_npu.model.mtp_loss.mtp_loss` renamed into the ``eagle3/`` group."""
+    return {EAGLE3_STATS + k[len(MTP_STATS) :] if k.startswith(MTP_STATS) else k: v for k, v in stats.items()}
+
 
 #: Checkpoint and training names of the MTP head's tensors (``mtp.fc.weight``, ...): the trainer,
 #: the checkpoint layouts and the rollout's drafter loader all split a state dict on it.

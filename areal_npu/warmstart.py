@@ -32,6 +32,9 @@ class WarmStartConfig:
     # turns of each shell-agent demonstration (repo tasks): 4 look, fix, test, submit; fewer drop the
     # test run, then the look; 0: workflow.max_turns. Two turns (fix, submit) keep the samples short
     demo_turns: int = 0
+    # repo tasks: 0 records the demonstrations on the run's training tasks; N on N embedded repo tasks
+    # (the only ones with reference fixes): how a task.dataset run learns the harness's action format
+    demo_tasks: int = 0
 
     def validate(self) -> None:
         if self.steps < 0:
@@ -42,6 +45,8 @@ class WarmStartConfig:
             raise ValueError("lr must be > 0")
         if self.demo_turns < 0:
             raise ValueError("demo_turns must be >= 0 (0: workflow.max_turns)")
+        if self.demo_tasks < 0:
+            raise ValueError("demo_tasks must be >= 0 (0: the run's training tasks)")
 
 
 def warm_start_samples(tokenizer, pairs: list[tuple[str, str]]) -> list[TrainSample]:
@@ -67,7 +72,7 @@ def warm_start(
     from transformers import AutoTokenizer
 
     from areal_npu.agent.demos import demo_samples
-    from areal_npu.agent.environments import RepoTask
+    from areal_npu.agent.repo_task import RepoTask
     from areal_npu.agent.tasks import sft_pairs
     from areal_npu.train.factory import build_engine
     from areal_npu.train.losses import SFTLoss

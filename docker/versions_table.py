@@ -1,11 +1,11 @@
 """Print (or --write) the version table of docker/versions.env as Markdown.
 
-The table goes between `<!-- versions:begin -->` and `<!-- versions:end -->` in README.md and
-docker/README.md; tests/docker/test_versions.py parses those tables and fails when they differ from
+The table goes between `<!-- versions:begin -->` and `<!-- versions:end -->` in docker/README.md (the
+repository README links it); tests/docker/test_versions.py parses those tables and fails when they differ from
 docker/versions.env.
 
     python3 docker/versions_table.py            # print the block
-    python3 docker/versions_table.py --write    # rewrite the block in both READMEs
+    python3 docker/versions_table.py --write    # rewrite the block in docker/README.md
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- versions:begin -->", "<!-- versions:end -->"
-READMES = (ROOT / "README.md", ROOT / "docker" / "README.md")
+READMES = (ROOT / "docker" / "README.md",)
 
 COMPONENTS = {
     "CANN_VERSION": "CANN",
@@ -45,8 +45,8 @@ COMPONENTS = {
     "MEGATRON_BRIDGE_COMMIT": "Megatron-Bridge commit",
 }
 
-NOTE = ("Two images, A2 and A3, from `docker/Dockerfile`; `docker/README.md` says how to pull, run, "
-        "build and verify them. **They have not been built or run on Ascend hardware by this project "
+NOTE = ("Two images, A2 and A3, from `docker/Dockerfile`; this page says how to build, run and verify "
+        "them (no image is published yet). **They have not been built or run on Ascend hardware by this project "
         "yet**: the pins below are taken from upstream sources, and `scripts/npu_smoke.py` is the first "
         "thing to run on a node.")
 
@@ -76,7 +76,7 @@ def block(pins: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the block in README.md and docker/README.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the block in docker/README.md")
     args = parser.parse_args(argv)
     new = block(read_pins(ROOT / "docker" / "versions.env"))
     if not args.write:

@@ -50,7 +50,7 @@ _HALF = (torch.bfloat16, torch.float16)
 _OUT_DTYPE_GEMM: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _has_f32_out_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+def has_f32_out_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for half inputs on this device type
     (CUDA: yes; the CPU build has no such kernel). Probed once per (device type, dtype)."""
     key = (device.type, dtype)
@@ -69,14 +69,14 @@ def _has_f32_out_gemm(device: torch.device, dtype: torch.dtype) -> bool:
 def _gemm_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
     """The weight as every chunk's GEMM takes it: as is where a float32-output GEMM exists, else
     upcast once per call (not once per chunk)."""
-    if dtype == torch.float32 and _has_f32_out_gemm(weight.device, weight.dtype):
+    if dtype == torch.float32 and has_f32_out_gemm(weight.device, weight.dtype):
         return weight
     return weight.to(dtype)
 
 
 def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """``a @ b`` accumulated and returned in ``dtype`` (>= float32), never rounded to a half type."""
-    if dtype == torch.float32 and a.dtype == b.dtype and _has_f32_out_gemm(a.device, a.dtype):
+    if dtype == torch.float32 and a.dtype == b.dtype and has_f32_out_gemm(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.to(dtype), b.to(dtype))
 
@@ -222,7 +222,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         g_ent = zeros if grad_entropy is None else grad_entropy.to(dtype)
         # The backward GEMMs take ∂/∂z in the weight's dtype where a float32-output GEMM exists (the
         # precision autograd gives a bf16 h @ Wᵀ); else everything stays in the compute dtype.
-        fast = dtype == torch.float32 and _has_f32_out_gemm(weight.device, weight.dtype)
+        fast = dtype == torch.float32 and has_f32_out_gemm(weight.device, weight.dtype)
         grad_dtype = weight.dtype if fast and hidden.dtype == weight.dtype else dtype
         grad_chunk = _pointwise("grad", ctx.fused)
         grad_hidden = torch.empty_like(hidden) if need_h else None

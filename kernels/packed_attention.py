@@ -13,7 +13,10 @@ Segments never see each other. Shapes: q ``[T, Hq, d]``, k / v ``[T, Hkv, d]``, 
   ``actual_seq_kvlen`` as host lists of cumulative end offsets without the leading 0,
   ``sparse_mode=3`` and one cached 2048x2048 bool mask ``triu(ones, 1)`` (True = masked). At most
   1024 segments per call: longer lists are cut into several calls.
-- CUDA, half precision: flash-attn's ``flash_attn_varlen_func`` when installed, else PyTorch's
+- CUDA, half precision: by layout (:mod:`areal_npu.kernels.attention_dispatch`, fitted to H200
+  measurements): few long segments take one SDPA call per segment (the reference below), which
+  beats varlen there; otherwise one varlen call:
+  flash-attn's ``flash_attn_varlen_func`` when installed, else PyTorch's
   own varlen kernel ``torch.nn.attention.varlen.varlen_attn`` (causal = ``window_size=(-1, 0)``).
   Neither materialises repeated KV heads: flash-attn and torch >= 2.13 take GQA natively
   (``enable_gqa``); on older torch the query heads are split into ``Hq / Hkv`` strided groups
@@ -32,11 +35,15 @@ import math
 
 import torch
 import torch.nn.functional as F
+from areal_npu.kernels.attention_dispatch import PER_SEGMENT, cuda_attention_path
 
 __all__ = [
     "NPU_MAX_HEAD_DIM",
     "NPU_MAX_HEADS",
     "NPU_MAX_SEGMENTS_PER_CALL",
+    "cuda_native_gqa",
+    "cuda_path_for",
+    "cuda_varlen_attention",
     "npu_causal_mask",
     "packed_attention",
     "packed_attention_reference",
@@ -190,23 +197,27 @@ def varlen_causal_attention(
     return torch.stack(outs, dim=2).view(q.shape[0], hq, v.shape[2])
 
 
-def _cuda_packed_attention(
+def _flash_attn_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def cuda_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float,
-    max_seqlen: int | None,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return packed_attention_reference(q, k, v, cu_seqlens, scale)
+    """The CUDA varlen path alone (flash-attn, else torch's ``varlen_attn``), whatever the layout."""
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int((cu[1:] - cu[:-1]).max())
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        flash_attn_varlen_func = None
+    flash_attn_varlen_func = _flash_attn_varlen()
     if flash_attn_varlen_func is not None:
         return flash_attn_varlen_func(
             q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True
@@ -218,6 +229,33 @@ def _cuda_packed_attention(
             f"this is torch {torch.__version__}"
         )
     return varlen_causal_attention(varlen_attn, q, k, v, cu, max_seqlen, scale, native_gqa)
+
+
+def cuda_native_gqa() -> bool:
+    """Whether the installed varlen kernel takes GQA in one call (flash-attn, torch >= 2.13)."""
+    return _flash_attn_varlen() is not None or _torch_varlen_attn()[1]
+
+
+def cuda_path_for(lengths: list[int], q_heads: int, kv_heads: int, head_dim: int) -> str:
+    """The CUDA path for this layout with the varlen kernel installed here."""
+    return cuda_attention_path(lengths, q_heads, kv_heads, head_dim, cuda_native_gqa())
+
+
+def _cuda_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    max_seqlen: int | None,
+) -> torch.Tensor:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return packed_attention_reference(q, k, v, cu_seqlens, scale)
+    bounds = cu_seqlens.tolist()  # host copy of S + 1 ints: the layout the dispatch reads
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if cuda_path_for(lengths, q.shape[1], k.shape[1], q.shape[2]) == PER_SEGMENT:
+        return packed_attention_reference(q, k, v, cu_seqlens, scale)
+    return cuda_varlen_attention(q, k, v, cu_seqlens, scale, max_seqlen or max(lengths))
 
 
 def packed_attention(

@@ -1,18 +1,22 @@
 #!/usr/bin/env python
-"""Packed (THD) causal attention, forward + backward: the dispatching kernel against the ways around it.
+"""Packed (THD) causal attention, forward + backward: both CUDA paths per layout and the dispatcher's pick.
 
 Methods, all on the same packed q/k/v (GQA: 16 query / 4 KV heads unless told otherwise):
   * ``packed``: :func:`areal_npu.kernels.packed_attention.packed_attention` as training calls it
-    (CUDA bf16: flash-attn if installed, else torch's ``varlen_attn`` over strided head groups;
-    CPU: the exact per-segment path);
-  * ``varlen-repeat-kv`` (CUDA): one ``varlen_attn`` call with the KV heads repeated — the simple
-    alternative to head groups, for comparison;
-  * ``per-segment``: one SDPA call per segment (the old CUDA fallback; the CPU path);
+    (CUDA bf16: the path :func:`areal_npu.kernels.attention_dispatch.cuda_attention_path` picks
+    for the layout; CPU: the exact per-segment path);
+  * ``varlen`` (CUDA): the varlen path alone (flash-attn if installed, else torch's ``varlen_attn``,
+    over strided head groups when it has no native GQA);
+  * ``varlen-repeat-kv`` (CUDA): one ``varlen_attn`` call with the KV heads repeated;
+  * ``per-segment``: one SDPA call per segment (the other CUDA path; the CPU path);
   * ``padded``: sequences padded to the longest and one batched causal SDPA call.
 
-Layouts: ``short`` (many short segments, lengths drawn from a fixed seed) and ``long`` (8 equal
-segments). Times are medians of ``--reps`` runs after one warm-up; peak is the allocator's peak
-above the inputs (CUDA) — the CPU's numbers are for relative comparison only.
+Layouts: ``short`` (many short segments, lengths drawn from a fixed seed), ``medium`` (segments
+of T/16), ``long`` (8 equal segments) and ``mixed`` (one half-T segment, the rest short). Each
+layout's summary row gives the dispatcher's choice, its predicted ms per path (the H200 model) and,
+where both paths ran, the measured faster one. Times are medians of ``--reps`` runs after one
+warm-up; peak is the allocator's peak above the inputs (CUDA) — the CPU's numbers are for relative
+comparison only (the varlen kernels are CUDA-only).
 
 Usage:  python scripts/bench_attention.py [--quick] [--json PATH] [--device cpu|cuda]
 """
@@ -29,21 +33,32 @@ import time
 
 import torch
 import torch.nn.functional as F
+from areal_npu.kernels import attention_dispatch as dispatch
 from areal_npu.kernels import packed_attention as pa
 
-METHODS = ("packed", "varlen-repeat-kv", "per-segment", "padded")
+METHODS = ("packed", "varlen", "varlen-repeat-kv", "per-segment", "padded")
+LAYOUTS = ("short", "medium", "long", "mixed")
+CUDA_ONLY = ("varlen", "varlen-repeat-kv")
 
 
-def segment_lengths(layout: str, total: int) -> list[int]:
-    if layout == "long":
-        return [total // 8] * 8
-    g = torch.Generator().manual_seed(0)
+def _short(total: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
     lengths, left = [], total
     while left > 0:
         n = min(left, int(torch.randint(64, 1500, (1,), generator=g)))
         lengths.append(n)
         left -= n
     return lengths
+
+
+def segment_lengths(layout: str, total: int) -> list[int]:
+    if layout == "long":
+        return [total // 8] * 8
+    if layout == "medium":
+        return [total // 16] * 16
+    if layout == "mixed":
+        return [total // 2, *_short(total - total // 2)]
+    return _short(total)
 
 
 def _padded(q, k, v, cu):
@@ -70,13 +85,22 @@ def _varlen_repeat_kv(q, k, v, cu):
     return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))
 
 
-def run_method(method, q, k, v, cu, reps):
-    fn = {
-        "packed": lambda *x: pa.packed_attention(*x),
+def _varlen(q, k, v, cu):
+    return pa.cuda_varlen_attention(q, k, v, cu, q.shape[-1] ** -0.5)
+
+
+def _method_fn(method):
+    return {
+        "packed": pa.packed_attention,
+        "varlen": _varlen,
         "varlen-repeat-kv": _varlen_repeat_kv,
         "per-segment": pa.packed_attention_reference,
         "padded": _padded,
     }[method]
+
+
+def run_method(method, q, k, v, cu, reps):
+    fn = _method_fn(method)
     cuda = q.device.type == "cuda"
     xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     grad = torch.randn_like(q)
@@ -126,9 +150,9 @@ def main(argv=None) -> int:
     reps = args.reps or (1 if args.quick else 5)
     hq, hkv = (int(x) for x in args.heads.split(","))
     dtype = torch.bfloat16 if cuda else torch.float32
-    methods = [m for m in METHODS if cuda or m != "varlen-repeat-kv"]
-    results = []
-    for layout in ("short", "long"):
+    methods = [m for m in METHODS if cuda or m not in CUDA_ONLY]
+    results, choices = [], []
+    for layout in LAYOUTS:
         lengths = segment_lengths(layout, tokens)
         g = torch.Generator(device=args.device).manual_seed(0)
         q, k, v = (
@@ -139,22 +163,24 @@ def main(argv=None) -> int:
             [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=args.device
         )
         ref = pa.packed_attention_reference(q.float(), k.float(), v.float(), cu)
+        measured = {}
         for method in methods:
             try:
                 r = run_method(method, q, k, v, cu, reps)
                 with torch.no_grad():
-                    out = {"packed": pa.packed_attention, "per-segment": pa.packed_attention_reference}.get(
-                        method, _padded if method == "padded" else _varlen_repeat_kv
-                    )(q, k, v, cu)
+                    out = _method_fn(method)(q, k, v, cu)
                 r["max_abs_err_vs_fp32"] = float((out.float() - ref).abs().max())
+                measured[method] = r["time_ms"]
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 r = {"error": str(e).splitlines()[0][:80]}
             r.update(layout=layout, method=method, segments=len(lengths), tokens=tokens)
             results.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)
+        choices.append(_choice(layout, lengths, hq, hkv, args.head_dim, measured))
         del q, k, v, ref
 
     _print_table(results, args, hq, hkv, dtype)
+    _print_choices(choices)
     if args.json:
         meta = {
             "python": platform.python_version(),
@@ -168,8 +194,26 @@ def main(argv=None) -> int:
             "reps": reps,
         }
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+            json.dump({"meta": meta, "results": results, "dispatch": choices}, f, indent=2)
     return 0
+
+
+def _choice(layout, lengths, hq, hkv, head_dim, measured) -> dict:
+    """The dispatcher's CUDA pick for a layout, its predictions and, if both ran, the faster path."""
+    path = pa.cuda_path_for(lengths, hq, hkv, head_dim)
+    predicted = dispatch.predicted_cuda_ms(lengths, hq, hkv, head_dim, pa.cuda_native_gqa())
+    both = {dispatch.VARLEN: measured.get("varlen"), dispatch.PER_SEGMENT: measured.get("per-segment")}
+    faster = min(both, key=both.get) if None not in both.values() else None
+    return {
+        "layout": layout,
+        "segments": len(lengths),
+        "tokens": sum(lengths),
+        "longest": max(lengths),
+        "choice": path,
+        "predicted_ms": {k: round(x, 2) for k, x in predicted.items()},
+        "measured_faster": faster,
+        "choice_is_faster": None if faster is None else faster == path,
+    }
 
 
 def _print_table(results, args, hq, hkv, dtype) -> None:
@@ -191,6 +235,30 @@ def _print_table(results, args, hq, hkv, dtype) -> None:
             f"{t / base:.2f}x" if t and base else "-",
             f"{r['peak_mb']:.0f}" if r.get("peak_mb") is not None else "-",
             f"{r['max_abs_err_vs_fp32']:.1e}" if "max_abs_err_vs_fp32" in r else "-",
+        )  # fmt: skip
+    Console(width=200).print(table)
+
+
+def _print_choices(choices) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="CUDA dispatch by layout (predicted ms: the H200 model in attention_dispatch)")
+    for col in (
+        "layout",
+        "segments",
+        "longest",
+        "choice",
+        "pred. varlen",
+        "pred. per-seg",
+        "measured faster",
+    ):
+        table.add_column(col, justify="right")
+    for c in choices:
+        table.add_row(
+            c["layout"], str(c["segments"]), str(c["longest"]), c["choice"],
+            f"{c['predicted_ms'][dispatch.VARLEN]:.1f}", f"{c['predicted_ms'][dispatch.PER_SEGMENT]:.1f}",
+            c["measured_faster"] or "- (varlen needs CUDA)",
         )  # fmt: skip
     Console(width=200).print(table)
 

@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from areal_npu import names
+
 MB = 1024 * 1024
 # (hidden, intermediate, layers, heads, kv heads, head dim, vocab, samples, min len, max len, tokens/mb)
 SHAPES = {
@@ -177,7 +179,7 @@ def summarise(measured: dict, samples, shape: str, mtp: bool, repeats: int) -> d
             ratio[name]["peak_rss"] = r["peak_rss_mb"] / f["peak_rss_mb"]
         lm, sm = measured[name]["logps"], measured[name]["stats"]
         diff = {"logp_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(sf["logps"], lm))}
-        for key in ("ppo/loss", "train/grad_norm", "mtp/loss"):
+        for key in (names.PPO_LOSS, names.TRAIN_GRAD_NORM, names.MTP_LOSS):
             if key in sf["stats"]:
                 a, b = sf["stats"][key], sm[key]
                 diff[key + " rel diff"] = abs(b - a) / max(abs(a), 1e-30)

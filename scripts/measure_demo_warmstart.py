@@ -68,6 +68,7 @@ def judge(texts, trajs) -> dict:
 def run_one(args, recipe, lr: float, seed: int, samples, held_out, work: Path) -> list[dict]:
     import torch
 
+    from areal_npu import names
     from areal_npu.agent.demos import greedy_episodes
     from areal_npu.model.tiny import build_tokenizer, save_tiny_model
     from areal_npu.train.factory import build_engine
@@ -89,14 +90,14 @@ def run_one(args, recipe, lr: float, seed: int, samples, held_out, work: Path) -
         stats = engine.train_step(rng.sample(samples, min(args.batch_size, len(samples))), SFTLoss())
         train_s += time.perf_counter() - t
         print(
-            f"  step {step}: nll {stats.get('sft/nll', float('nan')):.3f}, {time.perf_counter() - t:.1f} s",
+            f"  step {step}: nll {stats.get(names.SFT_NLL, float('nan')):.3f}, {time.perf_counter() - t:.1f} s",
             flush=True,
         )
         if step in steps:
             out = engine.save_hf_checkpoint(work / f"ck{seed}", tok)
             t = time.perf_counter()
             texts, trajs = greedy_episodes(out, held_out, recipe.workflow, recipe.mtp)
-            row = {"lr": lr, "seed": seed, "steps": step, "nll": stats.get("sft/nll"), "train_s": train_s,
+            row = {"lr": lr, "seed": seed, "steps": step, "nll": stats.get(names.SFT_NLL), "train_s": train_s,
                    "eval_s": time.perf_counter() - t, **judge(texts, trajs)}  # fmt: skip
             print(json.dumps(row), flush=True)
             if args.show:

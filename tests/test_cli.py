@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 
 def _cli(*args):
@@ -106,6 +107,8 @@ def test_overrides_after_flags_still_apply(tmp_path):
     out = _cli("train", str(recipe), "--check", "seed=5", "controller.steps=3")
     assert out.returncode == 0, out.stderr
     assert "seed: 5" in out.stdout and "steps: 3" in out.stdout
+    assert out.stdout.splitlines()[-1] == f"# OK: {recipe} is valid"  # a YAML comment: the output still parses
+    assert yaml.safe_load(out.stdout)["seed"] == 5
 
 
 def test_quickstart_recipe_is_valid():

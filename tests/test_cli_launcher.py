@@ -54,8 +54,17 @@ def test_ray_dry_run_prints_the_plan_and_its_groups_without_ray():
 
 
 def test_ray_dry_run_text_lists_the_groups(capsys):
-    code = cli.main(["train", str(QUICKSTART), "--launcher", "ray", "--dry-run", "--devices-per-node", "4"])
-    assert code == 0
+    argv = [
+        "train",
+        str(QUICKSTART),
+        "--launcher",
+        "ray",
+        "--dry-run",
+        "--devices-per-node",
+        "4",
+        "--verbose",
+    ]
+    assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert "Ray placement groups" in text and "node 0: [" in text
     assert cli.main(["train", str(QUICKSTART), "--dry-run", "--devices-per-node", "4"]) == 0

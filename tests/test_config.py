@@ -41,7 +41,8 @@ def test_layers_apply_in_order(tmp_path):
         (["optim.lr=fast"], "optim.lr", "wrong type"),
         (["optim.warmup_steps=-1"], "optim.warmup_steps", ">= 0"),
         (["device=tpu"], "device", "auto, npu, cuda, cpu"),
-        (["optim.zzz=1"], "optim.zzz", "Valid keys here: betas, lr, warmup_steps"),
+        (["optim.zzz=1"], "optim.zzz", "unknown key. Valid keys here: betas, lr, warmup_steps"),
+        (["lr=1"], "lr", "did you mean 'optim.lr'"),  # the key one level down (train --help's old example)
         (["justaword"], "justaword", "a.b.c=value"),
     ],
 )

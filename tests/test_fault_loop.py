@@ -37,7 +37,7 @@ def _controller(tmp_path, cfg: ControllerConfig):
     engine = RecordingEngine()
     controller = RLController(
         cfg, OnlyTheProtocol(engine), None, Client(), list(range(32)), tmp_path, Logger(), spec=SpecConfig(),
-        grpo=GRPOConfig(), loss=PPOLoss(), seed=0, weight_bucket_bytes=1 << 20,
+        grpo=GRPOConfig(), loss=PPOLoss(), seed=0,
     )  # fmt: skip
     return controller, engine
 

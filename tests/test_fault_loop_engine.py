@@ -29,6 +29,8 @@ import httpx
 import pytest
 import torch
 
+from areal_npu import names
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,7 +187,7 @@ def test_engine_killed_mid_generation_and_mid_sync_inside_the_loop(tmp_path):
             controller = RLController(
                 cfg.controller, trainer, tokenizer, client, tasks, run_dir, logger,
                 spec=cfg.rollout.spec, grpo=cfg.grpo, loss=PPOLoss(cfg.ppo), seed=cfg.seed,
-                weight_bucket_bytes=cfg.rollout.weight_bucket_bytes, weight_sync=make_weight_sync(rollout_cfg, client),
+                weight_sync=make_weight_sync(rollout_cfg, client),
             )  # fmt: skip
             state["controller"] = controller
             history = await controller.run(load_workflow(cfg.workflow, tokenizer))
@@ -204,6 +206,8 @@ def test_engine_killed_mid_generation_and_mid_sync_inside_the_loop(tmp_path):
     assert [k for k, _ in injector.kills] == ["generate", "sync"], injector.kills
     assert injector.kills[0][1] >= 1  # generations were in flight when the engine died
     assert generation == [2] and final_pgid not in (None, first_pgid)  # restarted twice, alive at the end
+    last = history[-1]
+    assert last[names.ENGINE_RESTARTS] == 2 and 0 <= last[names.ENGINE_RESYNCS] <= 2  # the run's own count
     assert injector.tokens_checked > 0 and injector.violations == []
     trained = trainer.trained
     assert {step for step, _ in trained} == set(range(STEPS))

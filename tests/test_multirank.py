@@ -17,7 +17,7 @@ import torch
 
 from areal_npu import names
 from areal_npu.train.ranks import shard_indices
-from tests.support.ranks import start_processes
+from tests.support.ranks import run_ranks
 
 STEPS = 3
 #: the step stats that are global (reduced over ranks); packing/* and timings are per rank
@@ -59,6 +59,8 @@ class _Workflow:
 
 
 class _Client:
+    generation = (0,)  # restarts per engine (RolloutClient's)
+
     async def step_metrics(self):
         return {}
 
@@ -72,6 +74,7 @@ class _Sync:
     async def push(self, named, version, sync_draft=True):
         if version == self.fail_at:
             raise RuntimeError(f"push of version {version} failed on purpose")
+        named = list(named)  # the trainer's export, streamed: drawn here (collective on every rank)
         self.pushed.append((version, sum(float(t.double().sum()) for _, t in named), len(named)))
 
 
@@ -135,7 +138,7 @@ def _controller_run(rank, world, engine, channel, out_dir, fail_push_at=None, fa
     controller = RLController(
         ControllerConfig(steps=STEPS, batch_groups=2, max_staleness=STEPS, checkpoint_every=2),
         leader, None, _Client(), list(range(64)), out_dir, _Logger(), spec=SpecConfig(), grpo=GRPOConfig(),
-        loss=PPOLoss(), seed=0, weight_bucket_bytes=4096, weight_sync=sync,
+        loss=PPOLoss(), seed=0, weight_sync=sync,
     )  # fmt: skip
     error = None
     try:
@@ -173,16 +176,7 @@ def _run(tmp_path, name, world, mode=None, worker=_worker, timeout_s=240):
     """``worker(rank, world, init_file, out_dir, mode)`` in ``world`` spawned processes; (out_dir, exit codes)."""
     out = tmp_path / name
     out.mkdir()
-    context = start_processes(worker, args=(world, str(tmp_path / f"{name}.rdv"), out, mode), nprocs=world,
-                                 join=False)  # fmt: skip
-    for proc in context.processes:  # a hang fails the test here instead of stalling CI
-        proc.join(timeout_s)
-    alive = [p.pid for p in context.processes if p.is_alive()]
-    for proc in context.processes:
-        if proc.is_alive():
-            proc.kill()
-    assert not alive, f"rank processes {alive} still running: a rank waits for one that stopped"
-    return out, [p.exitcode for p in context.processes]
+    return out, run_ranks(worker, (world, str(tmp_path / f"{name}.rdv"), out, mode), world, timeout_s)
 
 
 @pytest.mark.distributed

@@ -467,9 +467,35 @@ def test_dry_run_json_for_two_a3_nodes_starts_nothing(tmp_path):
 def test_dry_run_table_on_this_machine(tmp_path):
     out = _train(tmp_path, "--dry-run")
     assert out.returncode == 0, out.stderr
-    for word in ("trainer/0", "engine/0", "AREAL_CPU_AFFINITY", "weight transport: rpc"):
+    assert out.stdout.startswith("placement: 1 node(s)")  # the summary first
+    for word in ("│ trainer", "│ engine", "AREAL_CPU_AFFINITY", "weight transport: rpc"):  # one row per role
         assert word in out.stdout
+    assert "trainer/0" not in out.stdout
+    verbose = _train(tmp_path, "--dry-run", "--verbose")  # every process, with its environment
+    for word in ("trainer/0", "engine/0", "AREAL_CPU_AFFINITY", "estimated peak"):
+        assert word in verbose.stdout
     assert not (tmp_path / "runs").exists()
+
+
+def test_role_rows_collapse_ranks_into_shared_and_varying_environment():
+    from areal_npu.placement.describe import role_rows
+
+    result = plan(
+        TrainerLayout(dp=2, tp=8), _engines(4, tp=4), Cluster.uniform("npu", 2, 16, master_addr="10.0.0.1")
+    )
+    trainer, engine = role_rows(result)
+    assert (trainer["count"], trainer["nodes"], trainer["devices"]) == ("16 rank(s)", "0", "node 0: 0-15")
+    # what every rank shares is shown once; what differs is named with its range
+    assert "WORLD_SIZE=16" in trainer["env"] and "RANK=" not in trainer["env"].replace("WORLD_SIZE", "")
+    assert trainer["per process"] == "RANK (0..15), LOCAL_RANK (0..15)"
+    assert (engine["count"], engine["devices"]) == ("4 x tp 4", "0-3, 4-7, 8-11, 12-15")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in engine["env"] + engine["per process"]  # an NPU engine
+    assert (
+        engine["per process"]
+        == "ASCEND_RT_VISIBLE_DEVICES (0,1,2,3..12,13,14,15), HCCL_IF_BASE_PORT (64000..64096)"
+    )
+    assert result.weight_transport["sender_addr"] == "10.0.0.1" and result.engines[0].host == "<node1>"
+    assert not any("--master-addr" in n for n in result.notes) and any("<node1>" in n for n in result.notes)
 
 
 def test_dry_run_validates_for_the_described_device(tmp_path):
@@ -481,8 +507,12 @@ def test_dry_run_validates_for_the_described_device(tmp_path):
     data = json.loads(out.stdout)
     assert data["device_kind"] == "npu" and data["notes"] == []
     assert data["weight_transport"]["name"] == "hccl"
-    if plat.current_platform().device_type != "npu":
-        out = _train(tmp_path, "device=npu", "--dry-run")
+    # without --device-kind the plan is for the recipe's device, as --help says (it was refused here)
+    same = _train(tmp_path, "device=npu", "--dry-run", "--json", "--devices-per-node", "8")
+    assert same.returncode == 0, same.stderr
+    assert json.loads(same.stdout)["device_kind"] == "npu"
+    if plat.current_platform().device_type != "npu":  # a real run on this machine is still refused
+        out = _train(tmp_path, "device=npu", "--check")
         assert out.returncode == 2 and "device" in out.stderr
 
 

@@ -127,3 +127,42 @@ def test_command_line_phases_are_the_runs_phases():
         assert out.returncode == 0, out.stderr
         plan = json.loads(out.stdout)
         assert plan["phases"] == {"gen": 60.0, "prox": 10.0, "train": 30.0} and plan["t_step_ar"] == 100.0
+
+
+def _quickstart_like(run_dir, config: str | None):
+    """What recipes/cpu/quickstart.yaml's run writes: one draft length (k = 2), acceptance per
+    position, no ``rollout/batch_size``, so the throughput alone cannot calibrate a cost model."""
+    run_dir.mkdir()
+    rows = [{"step": s, "time": float(s), "timing/gen_s": 3.0, "timing/prox_s": 0.1, "timing/train_s": 0.3,
+             "timing/sync_s": 0.1, "timing/reward_s": 5.0, "timing/step_s": 3.5, "rollout/spec_k": 2.0,
+             "rollout/spec_drafts": 100.0, "rollout/spec_draft_tokens": 200.0, "rollout/tokens_per_s": 40.0,
+             "rollout/spec_accept_rate_pos0": 0.4, "rollout/spec_accept_rate_pos1": 0.2}
+            for s in range(3)]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if config is not None:
+        (run_dir / "config.yaml").write_text(config)
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "config,r,why",
+    [
+        (
+            "model:\n  tiny:\n    num_hidden_layers: 4\n    mtp_num_hidden_layers: 1\n",
+            0.25,
+            "1 MTP / 4 model",
+        ),
+        (None, 0.0, "drafts taken as free"),
+    ],
+)
+def test_quickstart_run_dir_falls_back_to_the_models_draft_cost(tmp_path, config, r, why):
+    run_dir = _quickstart_like(tmp_path / "run", config)
+    out = _plan(run_dir, "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    a = (1 + 0.4 + 0.2) / (1 + r * 2)  # accepted length over the cost of one k = 2 verify step
+    assert plan["measured_k"] == 2 and plan["measured_gen_speedup"] == pytest.approx(a)
+    assert plan["t_gen_ar"] == pytest.approx(3.0 * a)
+    assert any(why in note and "--draft-cost" in note for note in plan["notes"])
+    given = json.loads(_plan(run_dir, "--json", "--draft-cost", 0.5).stdout)  # the flag wins
+    assert given["measured_gen_speedup"] == pytest.approx(1.6 / 2.0)

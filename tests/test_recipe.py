@@ -12,6 +12,7 @@ import pytest
 
 from areal_npu import cli
 from areal_npu.model.tiny import TinyModelConfig, save_tiny_model
+from areal_npu.rollout import vllm_features
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "cpu" / "quickstart.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -216,22 +217,70 @@ def test_train_computes_on_the_recipe_device(capsys, monkeypatch):
     assert seen == {"platform": "cpu", "env": "cpu"}  # quickstart says device: cpu
 
 
+#: the quickstart without speculation: its engines return processed log-probs (rollout/config.py)
+NO_SPEC = ["rollout.spec.method=null", "rollout.spec.num_speculative_tokens=0"]
+
+
 @pytest.mark.parametrize(
-    "override, key",
-    [("workflow.temperature=0.7", "workflow.temperature"), ("workflow.top_p=0.9", "workflow.top_p"),
-     ("train.temperature=0.7", "train.temperature")],
+    "overrides, key, fragment",
+    [(["workflow.temperature=0.7", *NO_SPEC], "train.temperature", "set both"),
+     (["train.temperature=0.7"], "train.temperature", "set both"),
+     (["workflow.temperature=0.7", "train.temperature=0.7"], "workflow.temperature", "speculation"),
+     (["workflow.top_p=0.9", *NO_SPEC], "workflow.top_p", "no top-p mask"),
+     (["rollout.top_k=5", *NO_SPEC], "rollout.top_k", "no top-k mask")],
 )  # fmt: skip
-def test_sampling_from_another_distribution_than_the_behaviour_logprobs_is_refused(capsys, override, key):
-    """vLLM returns raw log-probs (temperature 1, no top-p): log softmax(z)[y]. Sampling at T = 0.7
-    draws from softmax(z / 0.7), whose log-prob of the same token differs (checked below on a
-    3-token example), so training on the raw value would use the wrong pi_behave."""
+def test_sampling_from_another_distribution_than_the_trainer_scores_is_refused(
+    capsys, overrides, key, fragment
+):
+    """The trainer scores log_softmax(z / train.temperature) over the whole vocabulary. Sampling at
+    T = 0.7 draws from softmax(z / 0.7), whose log-prob of the same token differs from T = 1's
+    (checked below on a 3-token example), so the two temperatures must be one; top-p / top-k
+    sampling has no counterpart in the trainer, and under speculation the engines' log-probs are
+    the raw ones (temperature 1)."""
     import math
 
     z, y = [2.0, 1.0, 0.0], 0
     raw = z[y] - math.log(sum(math.exp(v) for v in z))
     tempered = z[y] / 0.7 - math.log(sum(math.exp(v / 0.7) for v in z))
     assert abs(raw - tempered) > 0.1
-    assert_refused(capsys, [override], key, "must be 1.0")
+    assert_refused(capsys, overrides, key, fragment)
+
+
+@pytest.mark.skipif(
+    not vllm_features.processed_logprobs_checked(), reason="processed log-probs are checked on vLLM 0.32 only"
+)
+def test_a_temperature_without_speculation_is_sampled_and_scored(capsys):
+    """Both sides at T = 0.7 without speculation: accepted, the engines return the processed
+    log-probs of what they sample (the values are checked in tests/rollout/test_engine.py and
+    tests/train/test_engine.py) and the trainer scores at 0.7."""
+    from areal_npu.config import load_config
+    from areal_npu.recipe import RLConfig
+
+    code, err = check(capsys, "workflow.temperature=0.7", "train.temperature=0.7", *NO_SPEC)
+    assert code == 0, err
+    cfg = load_config(RLConfig, QUICKSTART, ["workflow.temperature=0.7", "train.temperature=0.7", *NO_SPEC])
+    args = cfg.rollout.vllm_cli_args(port=1)
+    assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert cfg.train.temperature == 0.7
+
+
+def test_a_temperature_on_a_vllm_whose_processed_logprobs_are_unchecked_is_refused(capsys, monkeypatch):
+    from areal_npu.compat.vllm import features
+
+    monkeypatch.setattr(features, "installed_version", lambda: "0.23.0")
+    assert_refused(capsys, ["workflow.temperature=0.7", "train.temperature=0.7", *NO_SPEC],
+                   "workflow.temperature", "vLLM >= 0.32")  # fmt: skip
+
+
+def test_a_temperature_on_the_npu_is_refused():
+    from areal_npu.config import ConfigError, load_config
+    from areal_npu.platform import described_device
+    from areal_npu.recipe import RLConfig, planning_only
+
+    with described_device("npu"), planning_only(), pytest.raises(ConfigError) as err:
+        load_config(RLConfig, QUICKSTART, ["device=npu", "workflow.temperature=0.7", "train.temperature=0.7",
+                                           *NO_SPEC])  # fmt: skip
+    assert err.value.key == "workflow.temperature" and "vllm-ascend" in str(err.value)
 
 
 def test_hybrid_model_on_the_cpu_needs_a_bfloat16_engine(capsys):
@@ -323,3 +372,64 @@ def test_a_layout_of_more_ranks_than_trainer_processes_stops_before_any_work(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("config error: train.megatron.tp_size: "), err
     assert "dp 1 x tp 2 x pp 1 x cp 1 = 2" in err[-1] and not run_dir.exists()
+
+
+@pytest.mark.parametrize("key", ["prompt_lookup_max", "prompt_lookup_min"])
+def test_ngram_settings_with_another_drafter_are_refused(capsys, key):
+    # the quickstart drafts with MTP: an n-gram lookup window there was accepted and ignored
+    assert_refused(capsys, [f"rollout.spec.{key}=3"], f"rollout.spec.{key}", "ngram only")
+
+
+SPEC_OFF = ["rollout.spec.method=null", "rollout.spec.num_speculative_tokens=0"]
+
+
+@pytest.mark.parametrize(
+    "overrides,key,when",
+    [
+        (["warmstart.steps=0", "warmstart.lr=0.1"], "warmstart.lr", "warmstart.steps > 0"),
+        (["warmstart.steps=0", "warmstart.log_every=5"], "warmstart.log_every", "warmstart.steps > 0"),
+        *[(["mtp.enabled=false", *SPEC_OFF, f"mtp.{kv}"], f"mtp.{kv.split('=')[0]}", "mtp.enabled is true")
+          for kv in ("num_depths=2", "loss_scale=0.2", "train=false", "init_new_head=true", "num_layers=1",
+                     "init_std=0.01", "lr_scale=0.5")],
+        ([*SPEC_OFF, "rollout.spec.sync_draft=false"], "rollout.spec.sync_draft", "method is null"),
+        (["rollout.spec.method=ngram", "rollout.spec.sync_draft=false"], "rollout.spec.sync_draft", "method is ngram"),
+        (["train.packing.cost_linear_coef=0"], "train.packing.cost_linear_coef", "train.dp_size > 1"),
+    ],
+)  # fmt: skip
+def test_a_setting_of_a_section_that_is_off_is_refused(capsys, overrides, key, when):
+    # each was accepted and ignored: nothing reads it while its section (or the forced re-plan) is off
+    assert_refused(capsys, overrides, key, when)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["warmstart.steps=0"],  # skips the quickstart's warm start, whose batch_size and lr it sets
+        ["mtp.enabled=false", *SPEC_OFF],
+        ["mtp.train=false", "rollout.spec.sync_draft=false"],  # a frozen head needs it (not synced)
+        ["train.packing.cost_linear_coef=0", "train.packing.min_mbs=2"],
+        ["train.packing.cost_linear_coef=0", "train.packing.mbs_divisor=2"],
+    ],
+)
+def test_a_section_switched_off_on_the_command_line_or_a_setting_that_is_read_is_accepted(capsys, overrides):
+    code, err = check(capsys, *overrides)
+    assert code == 0, err
+
+
+def test_a_recipe_file_that_sets_an_off_section_is_refused(capsys, tmp_path):
+    # the command-line exception is for switching a recipe's section off, not for a file that sets both
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(QUICKSTART.read_text().replace("  steps: 25\n", "  steps: 0\n", 1))
+    assert cli.main(["train", str(recipe), "--check"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: warmstart.batch_size: "), err
+
+
+def test_cost_linear_coef_is_read_with_several_data_parallel_ranks():
+    from areal_npu.data.packing import PackingConfig
+    from areal_npu.train.config import TrainEngineConfig
+
+    # several ranks agree on one count: a rank with fewer micro-batches re-plans, balanced by the cost
+    TrainEngineConfig(dp_size=2, packing=PackingConfig(cost_linear_coef=0.0)).validate()
+    with pytest.raises(ValueError, match="packing.cost_linear_coef"):
+        TrainEngineConfig(dp_size=1, packing=PackingConfig(cost_linear_coef=0.0)).validate()

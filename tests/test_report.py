@@ -14,7 +14,18 @@ import pytest
 from areal_npu.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-ALL_PLOTS = {"reward", "spec_accept", "mtp", "imp_weight", "version_lag", "episodes", "step_time", "perf"}
+ALL_PLOTS = {
+    "reward",
+    "training",
+    "spec_accept",
+    "mtp",
+    "imp_weight",
+    "version_lag",
+    "episodes",
+    "step_time",
+    "perf",
+}
+OPTIONAL = {"episodes", "episode_rate", "env_latency"}  # drawn only for runs that log their keys
 
 
 def _write_run(run_dir, rows, config=None):
@@ -66,9 +77,18 @@ def _full_rows(n=23, seed=0):
                 "episode/format_errors": 0.25,
                 "episode/submitted": 0.75,
                 "reward/solved": mean,
+                "ppo/loss": 0.1 / step,
+                "train/grad_norm": 1.0 + 0.01 * step,
+                "ppo/entropy": 2.0 - 0.01 * step,
             }
         )
     return rows
+
+
+def _sig3(x):
+    """Three significant digits, as the report prints numbers from 0.001 to 100 (trailing zeros dropped)."""
+    text = repr(round(x, 2 - math.floor(math.log10(abs(x)))))
+    return text.removesuffix(".0")
 
 
 def _assert_png(path):
@@ -97,12 +117,12 @@ def test_full_report(tmp_path, capsys):
     start, end = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     md = (out / "report.md").read_text()
     assert "demo-run" in md
-    assert f"start {start:.4f}" in md and f"end {end:.4f}" in md and f"change {end - start:+.4f}" in md
-    assert f"{rows[-1]['rollout/spec_accept_rate']:.4f}" in md
+    assert f"start {_sig3(start)}, end {_sig3(end)}, change +{_sig3(end - start)}" in md
+    assert f"(step 23): {_sig3(rows[-1]['rollout/spec_accept_rate'])}" in md
     imp = [r["ppo/behave_imp_weight/mean"] for r in rows]
-    assert f"{sum(imp) / len(imp):.4f}" in md
+    assert f"behave_imp_weight: {_sig3(sum(imp) / len(imp))} over 23 steps" in md
     assert f"{8.5 * len(rows):.1f} s" in md  # total step time
-    assert f"| `reward/mean` | {rows[-1]['reward/mean']:.4f} |" in md
+    assert f"| `reward/mean` | {_sig3(rows[-1]['reward/mean'])} | mean reward of" in md
     for name in ALL_PLOTS:
         assert f"]({name}.png)" in md
     assert "Missing" not in md
@@ -116,7 +136,7 @@ def test_default_out_dir_and_duplicated_steps(tmp_path):
     assert main(["report", str(tmp_path)]) == 0
     md = (tmp_path / "report" / "report.md").read_text()
     assert "Steps: 1–10 (10 logged)" in md
-    assert "end 5.0000" in md  # last ceil(10/5) = 2 steps, both re-logged at 5.0
+    assert "end 5," in md  # last ceil(10/5) = 2 steps, both re-logged at 5.0
 
 
 def test_missing_keys_are_skipped(tmp_path, capsys):
@@ -127,11 +147,14 @@ def test_missing_keys_are_skipped(tmp_path, capsys):
     assert written == {"reward.png", "step_time.png", "report.md"}
     _assert_png(tmp_path / "r" / "reward.png")
     md = (tmp_path / "r" / "report.md").read_text()
-    for name in ALL_PLOTS - {"reward", "step_time"}:
+    for name in ALL_PLOTS - {"reward", "step_time"} - OPTIONAL:
         assert name in md.split("## Missing from metrics.jsonl")[1]
     assert "`rollout/spec_accept_rate`" in md and "`ppo/behave_imp_weight/mean`" in md
     # rewards 0.1..0.5: first and last ceil(5/5) = 1 step
-    assert "start 0.1000" in md and "end 0.5000" in md
+    assert "start 0.1, end 0.5, change +0.4" in md
+    # a run from before the environment metrics: no environment plots, not even as missing
+    assert "episode_rate" not in md and "env_latency" not in md and "env backend" not in md
+    assert "episodes" not in md  # a single-turn run: no per-episode stats, not missing either
 
 
 @pytest.mark.parametrize("content", [None, "", "\n\n"])
@@ -152,10 +175,74 @@ def test_missing_run_dir_exit_2(tmp_path, capsys):
 def test_spec_decisions_are_listed(tmp_path):
     """The adaptive driver's decision log appears in the report (last 20, newest last); junk lines skipped."""
     _write_run(tmp_path, _full_rows(n=5))
-    decisions = [{"step": s, "k_from": s % 3, "k_to": (s + 1) % 3, "reason": f"reason {s}"} for s in range(25)]
+    decisions = [
+        {"step": s, "k_from": s % 3, "k_to": (s + 1) % 3, "reason": f"reason {s}"} for s in range(25)
+    ]
     lines = [json.dumps(d) for d in decisions] + ["not json", json.dumps({"step": 99})]
     (tmp_path / "spec_decisions.jsonl").write_text("\n".join(lines) + "\n")
     assert main(["report", str(tmp_path)]) == 0
     md = (tmp_path / "report" / "report.md").read_text()
     assert "Draft-length decisions" in md and "last 20 of 25" in md
     assert "| 24 | 0 → 1 | reason 24 |" in md and "reason 4 |" not in md and "| 99 |" not in md
+
+
+ENV_PLOTS = {"episode_rate", "env_latency"}
+
+
+def _env_rows(backends):
+    """Shell-agent steps on task environments: ``backends[i]`` ran step ``i + 1``'s 10 episodes."""
+    return [
+        {
+            "step": step,
+            "time": 100.0 * step,
+            "reward/mean": 0.5,
+            "episode/per_minute": 12.0 + step,
+            "episode/env_start_s": 0.5 * step,
+            "episode/env_start_s_p95": 1.5 * step,
+            "episode/grade_s": 2.0 + step,
+            "episode/grade_s_p95": 3.25 + step,
+            f"env/backend_{backend}": 10,
+        }
+        for step, backend in enumerate(backends, start=1)
+    ]
+
+
+def test_environment_plots_table_and_backend(tmp_path):
+    _write_run(tmp_path, _env_rows(["bwrap"] * 4))
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
+    written = {p.name for p in (tmp_path / "r").iterdir()}
+    assert written == {"reward.png", "episode_rate.png", "env_latency.png", "report.md"}
+    for name in ENV_PLOTS:
+        _assert_png(tmp_path / "r" / f"{name}.png")
+    md = (tmp_path / "r" / "report.md").read_text()
+    # 4 steps of 10 episodes on one backend; bwrap isolates, so nothing is flagged
+    assert "- env backend: bwrap (40 episodes, steps 1–4)" in md
+    # means over steps 1..4 of the fixture's values; the largest p95 is step 4's
+    assert "- episodes per minute (mean over 4 steps): 14.5" in md
+    assert "- `episode/env_start_s` (mean over 4 steps): 1.25 s, largest step p95 6 s" in md
+    assert "- `episode/grade_s` (mean over 4 steps): 4.5 s, largest step p95 7.25 s" in md
+    # the last step's table: step 4's values as written
+    for row in [
+        "| `episode/per_minute` | 16 |",
+        "| `episode/env_start_s` | 2 |",
+        "| `episode/env_start_s_p95` | 6 |",
+        "| `episode/grade_s` | 6 |",
+        "| `episode/grade_s_p95` | 7.25 |",
+        "| `env/backend_bwrap` | 10 |",
+    ]:
+        assert row in md
+    for name in ENV_PLOTS:
+        assert f"]({name}.png)" in md
+
+
+def test_mixed_and_weaker_backends_are_flagged(tmp_path):
+    """A run that fell back to a weaker backend part-way shows every backend, its steps and episodes."""
+    _write_run(tmp_path, _env_rows(["bwrap", "bwrap", "process", "process", "process", "quartz"]))
+    assert main(["report", str(tmp_path)]) == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("- env backends"))
+    assert line == (
+        "- env backends (**3 different**): bwrap (20 episodes, steps 1–2); "
+        "process (30 episodes, steps 3–5, **no isolation**); quartz (10 episodes, steps 6–6, isolation unknown)"
+    )
+    assert "| `env/backend_quartz` | 10 |" in md and "env/backend_process` |" not in md  # last step only

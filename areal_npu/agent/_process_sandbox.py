@@ -1,5 +1,5 @@
-"""The fallback when no jail can start here (``SandboxLimits.jail = "process"``, or "auto" without
-user namespaces): the child runs as a plain process in a new session, with rlimits, a network
+"""The weaker sandbox, used only when named (``SandboxLimits.jail = "process"``, a recipe's
+``workflow.grader_jail: process``; never as a silent fallback): the child runs as a plain process in a new session, with rlimits, a network
 namespace when it can make one, an unprivileged uid per slot when the trainer is root, and the audit
 hook. This is the sandbox the jail replaced; it does not hold against a determined program (see
 ``areal_npu/agent/jail.py`` for what does), and ``SandboxResult.layers`` says it was used.

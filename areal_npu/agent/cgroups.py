@@ -239,3 +239,12 @@ def open_group(limits: TreeLimits) -> tuple[Group | None, str]:
         group.kill_and_remove()
         return None, "; ".join(reasons + [f"cgroup v1: cannot set limits ({exc})"])
     return group, ""
+
+
+def probe() -> tuple[bool, str]:
+    """Whether a group can be made here now (one is made and removed), and why not."""
+    group, why = open_group(TreeLimits(64 << 20, 8, 1.0))
+    if group is None:
+        return False, why
+    group.kill_and_remove()
+    return True, ""

@@ -29,7 +29,7 @@ import re
 from dataclasses import replace
 
 from areal_npu.agent import actions
-from areal_npu.agent.environments import RepoTask
+from areal_npu.agent.repo_task import RepoTask
 from areal_npu.config import ConfigError
 from areal_npu.data.sample import TrainSample
 from areal_npu.data.trajectory import Trajectory, training_sample
@@ -114,18 +114,26 @@ def fix_command(task: RepoTask) -> str:
     return f"sed -i '{script}' {path}"
 
 
-def _turn(reason: str, command: str) -> str:
-    return f"{reason}\n```bash\n{command}\n```"
+# how a turn is written for each harness that has demonstrations (workflow.shell.harness)
+STYLES = {
+    "shell": "{reason}\n```bash\n{command}\n```",  # areal_npu.agent.actions
+    "mini_swe_agent": "THOUGHT: {reason}\n\n```mswea_bash_command\n{command}\n```",  # its swebench_backticks
+}
 
 
-def demo_turns(task: RepoTask, max_turns: int) -> list[str]:
-    """The assistant turns of ``task``'s demonstration, at most ``max_turns`` of them."""
+def demo_turns(task: RepoTask, max_turns: int, harness: str = "shell") -> list[str]:
+    """The assistant turns of ``task``'s demonstration, at most ``max_turns`` of them, in ``harness``'s
+    action format."""
+    if harness not in STYLES:
+        raise ConfigError("warmstart.steps", f"demonstrations are written for the {' and '.join(STYLES)} "
+                          f"harnesses, not {harness!r}")  # fmt: skip
     ((path, _),) = task.meta["fix"].items()
+    turn = STYLES[harness].format
     turns = {
-        "look": _turn(LOOK, f"cat {path}"),
-        "fix": _turn(FIX, fix_command(task)),
-        "test": _turn(TEST, TEST_COMMAND),
-        "submit": _turn(SUBMIT, SUBMIT_COMMAND),
+        "look": turn(reason=LOOK, command=f"cat {path}"),
+        "fix": turn(reason=FIX, command=fix_command(task)),
+        "test": turn(reason=TEST, command=TEST_COMMAND),
+        "submit": turn(reason=SUBMIT, command=SUBMIT_COMMAND),
     }
     order = ["look", "fix", "test", "submit"]
     for drop in ("test", "look", "submit"):  # what goes first when the turn budget is smaller
@@ -178,8 +186,13 @@ def record_demos(tasks: list[RepoTask], workflow, tokenizer) -> list[Trajectory]
                           f"(no reference fix: {', '.join(missing[:3])})")  # fmt: skip
     agent = ShellAgent(replace(workflow, group_size=1), tokenizer)
 
+    harness = workflow.shell.harness
+
     async def record_all():
-        return await asyncio.gather(*(_record(agent, t, demo_turns(t, workflow.max_turns)) for t in tasks))
+        try:
+            return await asyncio.gather(*(_record(agent, t, demo_turns(t, workflow.max_turns, harness)) for t in tasks))
+        finally:
+            await agent.aclose()
 
     try:
         return list(asyncio.run(record_all()))
@@ -191,8 +204,9 @@ def demo_samples(tokenizer, tasks: list[RepoTask], workflow) -> list[TrainSample
     """SFT samples (``input_ids``, ``loss_mask`` on the assistant tokens) of the recorded demonstrations."""
     samples = []
     for traj in record_demos(tasks, workflow, tokenizer):
-        s = training_sample(traj, 0.0)
-        samples.append(TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask))
+        for part in (*traj.segments, traj):  # a harness's rewritten history: segments of their own
+            s = training_sample(part, 0.0)
+            samples.append(TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask))
     return samples
 
 

@@ -4,8 +4,10 @@ problem statement and hidden tests; an episode is a throw-away jailed copy of th
 ``RepoEnv(task).reset()`` makes the copy; ``run(command, timeout)`` runs one shell command in it
 (each command is its own jail: files persist between commands, processes never do);
 ``grade()`` runs the hidden tests, which exist in the jail only for that step; ``close()`` removes
-the copy. Nothing an episode does can raise in the caller: failures come back as output, exit codes
-and ``GradeResult.details``.
+the copy. The copy is a size-capped area (:mod:`areal_npu.agent.fs`: bytes and inodes, a tmpfs)
+where the trainer may mount one, so no command can take more of the host than ``disk_bytes`` and
+``disk_files``; elsewhere its size is polled. Nothing an episode does can raise in the caller:
+failures come back as output, exit codes and ``GradeResult.details``.
 
 Hidden tests come in two kinds:
 
@@ -20,10 +22,7 @@ Hidden tests come in two kinds:
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
-import stat
 import tarfile
 import tempfile
 import time
@@ -31,16 +30,19 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Any
 
-from areal_npu.agent.jail import JailLimits, Mount, backend
+from areal_npu.agent import env_backends, fs, grading
+from areal_npu.agent.env_backends import EnvBackend
+from areal_npu.agent.fs import remove_tree as _remove_tree
+from areal_npu.agent.jail import JailLimits, Mount
+from areal_npu.agent.repo_task import REPO_IN_JAIL, CallTest, CommandTests, GradeResult, RepoTask
 from areal_npu.agent.sandbox import SandboxLimits, run_tests
+from areal_npu.agent.warm_pool import WarmPool
 
-REPO_IN_JAIL = "/repo"
-HIDDEN_IN_JAIL = "/hidden"
 # Bytecode goes to the private /tmp, never beside the sources: a cache left in the repository by one
 # command could otherwise shadow a same-size edit made within the same second.
 _PYTHON_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": "/tmp/.pycache"}
+_ENGINES = env_backends.CONTAINER_TOOLS  # they limit a container's tree in their own control group
 TIMEOUT_EXIT = 124  # what coreutils' timeout returns; the note in the output says so too
 # Imports the repository (first on sys.path in the grading child) and calls one function.
 CALL_DRIVER = (
@@ -48,38 +50,6 @@ CALL_DRIVER = (
     "    module, function, args = call\n"
     "    return getattr(__import__(module, fromlist=['_']), function)(*args)\n"
 )
-
-
-@dataclass(frozen=True)
-class CallTest:
-    module: str
-    function: str
-    args: Any  # list of positional arguments (plain JSON)
-    expected: Any
-
-
-@dataclass(frozen=True)
-class CommandTests:
-    command: str  # run in the grading copy's root
-    files: Mapping[str, str] = field(default_factory=dict)  # hidden test files: repo path -> text
-    patch: str = ""  # a unified diff adding the hidden tests (SWE-bench test_patch), applied with git
-    fail_to_pass: tuple[str, ...] = ()
-    pass_to_pass: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class RepoTask:
-    task_id: str
-    problem_statement: str
-    snapshot: Path | Mapping[str, str]  # a directory, a .tar(.gz)/.tgz/.zip archive, or files
-    hidden_tests: tuple[CallTest, ...] | CommandTests
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class GradeResult:
-    reward: float
-    details: dict[str, Any]
 
 
 def _safe_relative(name: str) -> PurePosixPath:
@@ -120,40 +90,6 @@ def materialize(snapshot: Path | Mapping[str, str], dest: Path) -> None:
         raise ValueError(f"snapshot {snapshot} is neither a directory nor a tar/zip archive")
 
 
-def _remove_tree(path: Path) -> None:
-    """Remove a tree a jailed program may have made unwritable (chmod 000 directories)."""
-
-    def make_writable_and_retry(func, target, _exc):
-        try:
-            os.chmod(os.path.dirname(target), stat.S_IRWXU)
-            os.chmod(target, stat.S_IRWXU)
-            func(target)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=make_writable_and_retry)
-
-
-_PYTEST_STATUS = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED) (\S+)", re.M)
-_PYTEST_VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)", re.M)
-_UNITTEST_VERBOSE = re.compile(r"^(\w+ \([\w.]+\)) \.\.\. (ok|FAIL|ERROR|skipped|expected failure)", re.M)
-
-
-def parse_test_log(log: str) -> dict[str, str]:
-    """``{test id: "PASSED" | "FAILED" | ...}`` from pytest ``-rA`` / ``-v`` or unittest ``-v`` output.
-    Test ids are as the runner prints them (``tests/test_x.py::test_y``; ``test_y (mod.Class.test_y)``)."""
-    statuses: dict[str, str] = {}
-    for status, test in _PYTEST_STATUS.findall(log):
-        statuses[test] = status
-    for test, status in _PYTEST_VERBOSE.findall(log):
-        statuses.setdefault(test, status)
-    unittest_names = {"ok": "PASSED", "FAIL": "FAILED", "ERROR": "ERROR", "skipped": "SKIPPED",
-                      "expected failure": "XFAIL"}  # fmt: skip
-    for test, status in _UNITTEST_VERBOSE.findall(log):
-        statuses.setdefault(test, unittest_names[status])
-    return statuses
-
-
 @dataclass
 class EnvLimits:
     command: JailLimits = field(default_factory=lambda: JailLimits(wall_seconds=30, cpu_seconds=30))
@@ -168,15 +104,50 @@ class EnvLimits:
             raise ValueError("episode_seconds must be > 0")
 
 
-class RepoEnv:
-    """One episode of one task. Use as a context manager, or call ``close()``."""
+def area_sizes(limits: JailLimits) -> tuple[int, int, int]:
+    """What an episode's repository copy (or a grading copy) may hold, as
+    :func:`areal_npu.agent.fs.copy_into_area` takes it: ``(max bytes, room bytes, room files)``."""
+    return int(limits.disk_bytes), int(limits.file_bytes), int(limits.disk_files)
 
-    def __init__(self, task: RepoTask, limits: EnvLimits | None = None, jail: str = "bwrap"):
+
+def make_base(task: RepoTask, dest: Path, env_backend: EnvBackend) -> None:
+    """Fill the empty ``dest`` with the task's base repository: its snapshot, or the tree its image
+    ships at the work dir (hidden paths included: grading takes them from here)."""
+    if task.snapshot is not None:
+        materialize(task.snapshot, dest)
+    elif task.image:
+        env_backend.export_repo(task.image, task.workdir, dest)
+    else:
+        raise ValueError(f"task {task.task_id!r} has neither a snapshot nor an image")
+
+
+def hide_paths(task: RepoTask, repo: Path) -> None:
+    """Remove from an episode's copy what the agent must not see (R2E-Gym's run_tests.sh, r2e_tests/)."""
+    hidden = task.hidden_tests.hidden_paths if isinstance(task.hidden_tests, CommandTests) else ()
+    for name in hidden:
+        target = repo / _safe_relative(name)
+        if target.is_dir() and not target.is_symlink():
+            _remove_tree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+
+
+class RepoEnv:
+    """One episode of one task. Use as a context manager, or call ``close()``. ``backend``: a name or an
+    :class:`~areal_npu.agent.env_backends.EnvBackend`; ``pool``: where prepared repository copies come
+    from (the task's base tree is made here when there is none)."""
+
+    def __init__(self, task: RepoTask, limits: EnvLimits | None = None, backend: str | EnvBackend = "bwrap",
+                 pool: WarmPool | None = None):  # fmt: skip
         self.task, self.limits = task, limits or EnvLimits()
         self.limits.validate()
-        self.jail = backend(jail)
-        self.root: Path | None = None
+        self.backend = env_backends.get(backend) if isinstance(backend, str) else backend
+        self.pool = pool
+        self.root: Path | None = None  # the episode's own directory (its repository copy, its base when no pool)
         self.seconds_left = self.limits.episode_seconds
+        self.start_seconds = 0.0  # how long reset() waited for the environment
+        self.layers: set[str] = set()  # what held for every command of the episode (limits_held)
+        self.commands = 0
 
     @property
     def repo(self) -> Path:
@@ -184,16 +155,33 @@ class RepoEnv:
             raise RuntimeError("reset() first")
         return self.root / "repo"
 
+    def _base(self) -> Path:
+        return self.pool.base(self.task) if self.pool is not None else self.repo.parent / "base"
+
     def reset(self) -> str:
         """A fresh copy of the repository; returns the problem statement."""
         self.close()
-        ok, why = self.jail.available()
+        start = time.monotonic()
+        ok, why = self.backend.available()
         if not ok:
-            raise RuntimeError(f"no jail for environments here: {why}")
+            raise RuntimeError(f"the {self.backend.name} environment backend cannot start here: {why}")
         self.root = Path(tempfile.mkdtemp(prefix="areal-episode-"))
-        (self.root / "repo").mkdir()
-        materialize(self.task.snapshot, self.root / "repo")
+        sizes = area_sizes(self.limits.command)
+        if self.pool is not None:
+            copy, _ = self.pool.take(self.task)
+            fs.move_tree(copy.parent, self.root)
+            if fs.area_of(self.repo) is None and fs.areas_supported()[0]:  # a pool of plain copies
+                self.repo.rename(self.root / "plain")
+                fs.copy_into_area(self.root / "plain", self.repo, *sizes)
+                _remove_tree(self.root / "plain")
+        else:
+            (self.root / "base").mkdir()
+            make_base(self.task, self.root / "base", self.backend)
+            fs.copy_into_area(self.root / "base", self.repo, *sizes)
+        hide_paths(self.task, self.repo)
         self.seconds_left = self.limits.episode_seconds
+        self.layers, self.commands = set(), 0
+        self.start_seconds = time.monotonic() - start
         return self.task.problem_statement
 
     def _format(self, res, limits: JailLimits) -> tuple[str, int]:
@@ -213,7 +201,8 @@ class RepoEnv:
                 TIMEOUT_EXIT,
             )
         if res.disk_exceeded:
-            return text + f"\n[the repository grew past {limits.disk_bytes >> 20} MiB; the command was killed]", 1
+            note = f"its size limit ({limits.disk_bytes >> 20} MiB or {limits.disk_files} new files)"
+            return text + f"\n[the repository reached {note}; the command was killed]", 1
         if res.oom:
             return text + f"\n[the command went past {limits.memory_bytes >> 20} MiB and was killed]", 137
         return text, res.exit_code if res.exit_code is not None else 128 + (res.signal or 0)
@@ -228,20 +217,40 @@ class RepoEnv:
                    self.seconds_left)  # fmt: skip
         limits = replace(self.limits.command, wall_seconds=wall)
         start = time.monotonic()
-        res = self.jail.run(["/bin/sh", "-c", command], [Mount(repo, REPO_IN_JAIL, writable=True)], limits,
-                            cwd=REPO_IN_JAIL, env=_PYTHON_ENV)  # fmt: skip
+        res = self.backend.run(command, repo, limits, self.task.image, self.task.workdir, _PYTHON_ENV)
         self.seconds_left -= time.monotonic() - start
+        if not res.error:
+            held = {"cgroup"} if any(x.startswith("cgroup_") or x in _ENGINES for x in res.layers) else set()
+            held |= {"disk_area"} & set(res.layers)
+            self.layers = held if self.commands == 0 else self.layers & held
+            self.commands += 1
         return self._format(res, limits)
 
+    def limits_held(self) -> dict[str, int]:
+        """``{"cgroup": 0/1, "disk_area": 0/1}``: 1 when every command of the episode so far ran in a
+        control group (a container engine's count) / on a size-capped repository copy; 0 before any ran."""
+        return {name: int(name in self.layers) for name in ("cgroup", "disk_area")}
+
     def grade(self) -> GradeResult:
-        """Run the hidden tests against the repository as it is now. Reward 1.0 when all pass."""
+        """Grade the repository as it is now: hidden call tests, or the SWE-bench way
+        (:func:`areal_npu.agent.grading.grade`, in fresh environments). Reward 1.0 when resolved."""
         self.repo  # noqa: B018 - raises before reset()
+        start = time.monotonic()
         try:
             if isinstance(self.task.hidden_tests, CommandTests):
-                return self._grade_command(self.task.hidden_tests)
-            return self._grade_calls(self.task.hidden_tests)
+                result = grading.grade(self.task, self._base(), self.repo, self._grading_run,
+                                       area=area_sizes(self.limits.grading))  # fmt: skip
+            else:
+                result = self._grade_calls(self.task.hidden_tests)
         except Exception as exc:  # noqa: BLE001 - a broken task or jail is reward 0, not a crash
-            return GradeResult(0.0, {"reason": "sandbox_error", "error": f"{type(exc).__name__}: {exc}"})
+            result = GradeResult(0.0, {"reason": "sandbox_error", "error": f"{type(exc).__name__}: {exc}"})
+        result.details["grade_seconds"] = time.monotonic() - start
+        return result
+
+    def _grading_run(self, command: str, repo: Path):
+        res = self.backend.run(command, repo, self.limits.grading, self.task.image, self.task.workdir,
+                               grading.GRADING_ENV)  # fmt: skip
+        return res
 
     def _grade_calls(self, tests: tuple[CallTest, ...]) -> GradeResult:
         g = self.limits.grading
@@ -254,42 +263,6 @@ class RepoEnv:
         reward = 1.0 if res.reason == "ok" else 0.0
         return GradeResult(reward, {"reason": res.reason, "passed": res.passed, "total": res.total,
                                     "fraction": res.fraction, "layers": res.layers})  # fmt: skip
-
-    def _grade_command(self, tests: CommandTests) -> GradeResult:
-        grading = Path(tempfile.mkdtemp(prefix="areal-grading-"))
-        try:
-            copy, hidden = grading / "repo", grading / "hidden"
-            shutil.copytree(self.repo, copy, symlinks=True)
-            hidden.mkdir()
-            for name, text in tests.files.items():
-                target = copy / _safe_relative(name)
-                if target.is_symlink() or target.is_file():  # the agent may have planted a link there
-                    target.unlink()
-                elif target.is_dir():
-                    _remove_tree(target)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(text)
-            command = tests.command
-            if tests.patch:
-                (hidden / "test.patch").write_text(tests.patch)
-                command = f"git apply {HIDDEN_IN_JAIL}/test.patch && {command}"
-            res = self.jail.run(["/bin/sh", "-c", command],
-                                [Mount(copy, REPO_IN_JAIL, writable=True), Mount(hidden, HIDDEN_IN_JAIL)],
-                                self.limits.grading, cwd=REPO_IN_JAIL, env=_PYTHON_ENV)  # fmt: skip
-        finally:
-            _remove_tree(grading)
-        log = res.output.decode("utf-8", "replace")
-        statuses = parse_test_log(log)
-        wanted = tuple(tests.fail_to_pass) + tuple(tests.pass_to_pass)
-        if wanted:
-            passed = [t for t in wanted if statuses.get(t) in ("PASSED", "XFAIL")]
-            reward = 1.0 if len(passed) == len(wanted) and not res.timed_out else 0.0
-        else:
-            passed, reward = [], 1.0 if res.exit_code == 0 else 0.0
-        return GradeResult(reward, {"reason": "ok" if reward == 1.0 else "tests_failed",
-                                    "exit_code": res.exit_code, "timed_out": res.timed_out,
-                                    "passed": len(passed), "total": len(wanted), "statuses": statuses,
-                                    "log_tail": log[-2000:], "layers": res.layers})  # fmt: skip
 
     def close(self) -> None:
         if self.root is not None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from areal_npu.agent.environments import CallTest, RepoTask
+from areal_npu.agent.repo_task import CallTest, RepoTask
 from areal_npu.config import ConfigError
 
 PACKAGE = "toolkit"
@@ -213,17 +213,17 @@ def _identity(task: RepoTask) -> tuple:
 
 
 def make_repo_splits(
-    n_train: int, n_eval: int, seed: int, families=(), jsonl: str = ""
+    n_train: int, n_eval: int, seed: int, families=(), dataset: str = "", image_root: str = "", snapshots: str = ""
 ) -> tuple[list[RepoTask], list[RepoTask]]:
     """Train and eval repo tasks; no eval task is also a train task. Embedded tasks by default; with
-    ``jsonl`` (a SWE-bench / R2E-Gym layout file, :mod:`areal_npu.agent.tasksets`) its first
-    ``n_train`` rows train and the next ``n_eval`` rows evaluate."""
-    if jsonl:
-        from areal_npu.agent.tasksets import load_jsonl
+    ``dataset`` (SWE-bench / R2E-Gym instances on disk, :func:`areal_npu.agent.tasksets.load`) its
+    first ``n_train`` instances train and the next ``n_eval`` evaluate."""
+    if dataset:
+        from areal_npu.agent.tasksets import load
 
-        rows = load_jsonl(jsonl)
+        rows = load(dataset, snapshots or None, image_root or None)
         if len(rows) < n_train:
-            raise ConfigError("n_train", f"is {n_train} but {jsonl} has {len(rows)} tasks")
+            raise ConfigError("n_train", f"is {n_train} but {dataset} has {len(rows)} tasks")
         return rows[:n_train], rows[n_train : n_train + n_eval]
     train = make_repo_tasks(n_train, seed, families)
     seen = {_identity(t) for t in train}

@@ -5,8 +5,9 @@ a control group for the process tree, nothing of the host but ``/usr`` and the i
 it ``_sandbox_child.py`` (mounted read-only, run by ``python -I -S -B``) adds per-process rlimits
 and, by default, an audit hook — a tripwire that names what a program tried ("blocked_syscall"),
 not a wall. ``SandboxResult.layers`` says what held for a run. Where no jail can start (no user
-namespaces) ``jail="auto"`` falls back to the old process sandbox (``_process_sandbox.py``) and says
-so in ``layers``; ``jail="bwrap"`` refuses instead ("sandbox_error").
+namespaces) ``jail="auto"`` / ``"bwrap"`` refuse ("sandbox_error", and the workflows refuse the recipe
+at ``--check``); the old process sandbox (``_process_sandbox.py``) runs only when named
+(``jail="process"``: a recipe's ``workflow.grader_jail: process``).
 
 Result protocol, and why a program cannot forge its score. The parent writes the payload (program,
 test INPUTS, a fresh random nonce) to the child's stdin; the child reads it and closes stdin before
@@ -31,7 +32,6 @@ import secrets
 import shutil
 import signal
 import tempfile
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -68,7 +68,7 @@ class SandboxLimits:
     max_processes: int = 8
     max_open_files: int = 64
     audit_hook: bool = True
-    jail: str = "auto"  # "bwrap" | "process" (the old, weaker sandbox) | "auto" (bwrap if it starts)
+    jail: str = "auto"  # "bwrap" = "auto" (refused where it cannot start) | "process" (the weaker sandbox, by name)
     drop_privileges: bool = True  # "process" jail only, when running as root
     uid_base: int = 1_560_000  # "process" jail only: its uids are uid_base + slot
     stderr_tail_bytes: int = 2048
@@ -103,16 +103,12 @@ class SandboxResult:
 
 
 def resolve_jail(name: str) -> tuple[str, str]:
-    """``(jail actually used, why it differs)``: "auto" is "bwrap" when a jail starts here."""
+    """``(jail used, why not the one asked for)``: "auto" and "bwrap" are the jail or "unavailable" (with
+    the reason); the weaker process sandbox only when it is named -- never as a silent fallback."""
     if name == "process":
         return "process", ""
     ok, why = backend("bwrap").available()
-    if ok:
-        return "bwrap", ""
-    if name == "bwrap":
-        return "unavailable", why
-    warnings.warn(f"sandbox: no jail here ({why}); grading in the weaker process sandbox", stacklevel=3)
-    return "process", why
+    return ("bwrap", "") if ok else ("unavailable", why)
 
 
 def _tail(path: Path, n: int) -> str:

@@ -27,13 +27,16 @@ pool of ``shell.env_workers`` threads, so the event loop keeps feeding the engin
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from areal_npu.agent import actions
+from areal_npu.agent import actions, env_backends, harness
 from areal_npu.agent.chat_format import ChatFormat
-from areal_npu.agent.environments import RepoEnv, RepoTask
-from areal_npu.agent.jail import backend
+from areal_npu.agent.environments import RepoEnv, area_sizes, make_base
+from areal_npu.agent.gateway import MODEL_NAME, EpisodeSession, Gateway, segments
+from areal_npu.agent.repo_task import RepoTask
+from areal_npu.agent.warm_pool import WarmPool
 from areal_npu.agent.workflows import WorkflowConfig
 from areal_npu.config import ConfigError
 from areal_npu.data.trajectory import Trajectory
@@ -42,20 +45,32 @@ _OUTPUT = "<<areal-npu command output 9b2e>>"  # where the output goes in an obs
 BUDGET_NOTE = "\n[... output cut to fit the episode's token budget ...]\n"
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class EpisodeStats:
     turns: int = 0  # model turns
-    tokens: int = 0  # prompt + response
+    tokens: int = 0  # prompt + response (a harness episode: all its segments, a shared prefix once)
     model_tokens: int = 0
     submitted: int = 0
     format_errors: int = 0
     truncated_observations: int = 0  # cut to observation_chars or to the token budget
     turn_budget: int = 0  # 1: the episode ended at max_turns
     token_budget: int = 0  # 1: the episode ended at the token budget
+    format_limit: int = 0  # 1: a harness ended it after repeated format errors
+    env_error: int = 0  # 1: a harness ended it with an error of its own (its message is meta["error"])
+    history_rewrites: int = 0  # harness calls that started a new segment other than by compaction
+    compactions: int = 0  # harness calls that rewrote earlier messages into a shorter prompt (new segments)
     tests_passed: int = 0
     tests_total: int = 0
     pass_rate: float = 0.0
     reward: float = 0.0
+    env_start_s: float = 0.0  # how long the episode waited for its environment (names.LATENCY_STATS)
+    grade_s: float = 0.0  # how long its grading took
+    suspicious: int = 0  # 1: its diff looks like it forges the runner's verdict (names.SUSPICIOUS_STAT)
+    limits_cgroup: int = 0  # 1: every command ran in a control group (names.LIMIT_STATS)
+    limits_disk_area: int = 0  # 1: every command's repository copy was a size-capped area
 
     def as_floats(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
@@ -86,16 +101,17 @@ class ShellAgent:
     """``workflow.path: areal_npu.agent.shell_agent.ShellAgent``; tasks are ``RepoTask``s."""
 
     #: WorkflowConfig keys this workflow reads besides path, group_size, temperature and top_p
-    config_keys = frozenset({"max_new_tokens", "max_turns", "shell"})
+    config_keys = frozenset({"max_new_tokens", "max_turns", "shell", "zero_suspicious_reward"})
 
     @staticmethod
     def check_config(cfg: WorkflowConfig) -> None:
         if cfg.shell.max_tokens <= cfg.max_new_tokens:
             raise ConfigError("shell.max_tokens", f"({cfg.shell.max_tokens}) leaves no room for a prompt "
                               f"besides one turn of max_new_tokens ({cfg.max_new_tokens})")  # fmt: skip
-        ok, why = backend(cfg.shell.jail).available()
-        if not ok:
-            raise ConfigError("shell.jail", f"{cfg.shell.jail!r} cannot run here: {why}")
+        # a ConfigError naming every reason when nothing allowed starts; its key is relative to the
+        # workflow's, as the config tree prefixes it (the workflow sits at ``workflow`` in a recipe)
+        backend = env_backends.resolve(cfg.shell.env, "shell.env", fallback_key=f"{env_backends.KEY}.fallback")
+        env_backends.check_cgroup(cfg.shell.env, backend, "shell.env")
 
     def __init__(self, cfg: WorkflowConfig, tokenizer):
         self.cfg, self.shell = cfg, cfg.shell
@@ -103,6 +119,21 @@ class ShellAgent:
         self.chat = ChatFormat(tokenizer, self.shell.observation_role)
         self.limits = self.shell.env_limits()
         self.pool = ThreadPoolExecutor(self.shell.env_workers, thread_name_prefix="shell-agent-env")
+        self.backend = env_backends.resolve(self.shell.env)
+        self.warm = WarmPool(lambda task, dest: make_base(task, dest, self.backend), self.shell.env_workers,
+                             area=area_sizes(self.limits.command))  # fmt: skip
+        self.harness = None if self.shell.harness == "shell" else harness.load(self.shell.harness)
+        self.gateway: Gateway | None = None  # started on the first harness episode (it needs the loop)
+        self._gateway_lock = asyncio.Lock()
+
+    def close(self) -> None:
+        self.warm.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def aclose(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()
+        self.close()
 
     def encode(self, text: str) -> list[int]:
         return self.chat.encode(text)
@@ -115,6 +146,7 @@ class ShellAgent:
 
     async def run(self, task: RepoTask, client, group_id: int) -> list[Trajectory]:
         prompt = self.prompt_ids(task)
+        self.warm.prefetch(task, min(self.shell.env.warm, self.cfg.group_size))
         results = await asyncio.gather(
             *(self.episode(task, client, prompt, group_id) for _ in range(self.cfg.group_size)),
             return_exceptions=True,
@@ -131,6 +163,19 @@ class ShellAgent:
         traj = await self.episode(task, client, self.prompt_ids(task), group_id=-1)
         return dict(traj.meta["stats"])
 
+    def _score(self, stats: EpisodeStats, grade, env: RepoEnv) -> float:
+        """Fill ``stats`` from the grade; the episode's reward (0 for a suspicious diff when
+        ``workflow.zero_suspicious_reward`` is set)."""
+        details = grade.details
+        stats.tests_passed, stats.tests_total = int(details.get("passed", 0)), int(details.get("total", 0))
+        stats.pass_rate = stats.tests_passed / stats.tests_total if stats.tests_total else grade.reward
+        stats.suspicious = int(bool(details.get("suspicious")))
+        stats.reward = 0.0 if stats.suspicious and self.cfg.zero_suspicious_reward else grade.reward
+        stats.env_start_s, stats.grade_s = env.start_seconds, float(details.get("grade_seconds", 0.0))
+        held = env.limits_held()
+        stats.limits_cgroup, stats.limits_disk_area = held["cgroup"], held["disk_area"]
+        return stats.reward
+
     async def _generate(self, client, input_ids: list[int], max_tokens: int):
         result = await client.generate(input_ids, max_tokens=max_tokens, temperature=self.cfg.temperature,
                                        top_p=self.cfg.top_p, stop_token_ids=self.chat.stop_ids, n=1)  # fmt: skip
@@ -145,10 +190,10 @@ class ShellAgent:
         needed); ``(ids, whether the output was cut)``, or None when even an empty output does not fit."""
         text = self.chat.observation_text(content, model_ended_turn)
         before, _, after = text.partition(_OUTPUT)
-        whole = self.encode(before + output + after)  # tokenised as one text when it fits
-        if len(whole) <= room:
-            return whole, False
-        pre, out, post = self.encode(before), self.encode(output), self.encode(after)
+        # the output as plain text: a special token it spells (<|im_start|>) must not become one
+        pre, out, post = self.encode(before), self.chat.encode_plain(output), self.encode(after)
+        if len(pre) + len(out) + len(post) <= room:
+            return pre + out + post, False
         note = self.encode(BUDGET_NOTE)
         keep = room - len(pre) - len(post) - len(note)
         if keep < 0:
@@ -158,6 +203,8 @@ class ShellAgent:
         return pre + out[:head] + note + tail + post, True
 
     async def episode(self, task: RepoTask, client, prompt: list[int], group_id: int) -> Trajectory:
+        if self.harness is not None:
+            return await self.harness_episode(task, client, prompt, group_id)
         cfg, stats = self.cfg, EpisodeStats()
         if len(prompt) + 1 > self.shell.max_tokens:
             raise ValueError(f"the prompt of task {task.task_id!r} has {len(prompt)} tokens, no room in "
@@ -166,7 +213,7 @@ class ShellAgent:
         logprobs: list[float] = []
         versions: list[int] = []
         mask: list[int] = []
-        env = _PooledEnv(RepoEnv(task, self.limits, self.shell.jail), self.pool)
+        env = _PooledEnv(RepoEnv(task, self.limits, self.backend, self.warm), self.pool)
         end = "turn_budget"
         try:
             await env.call(env.env.reset)
@@ -212,14 +259,70 @@ class ShellAgent:
             await env.call(env.env.close)
         finally:
             env.close_soon()
-        details = grade.details
         stats.turn_budget, stats.token_budget = int(end == "turn_budget"), int(end == "token_budget")
         stats.tokens, stats.model_tokens = len(prompt) + len(response), sum(mask)
-        stats.tests_passed, stats.tests_total = int(details.get("passed", 0)), int(details.get("total", 0))
-        stats.pass_rate = stats.tests_passed / stats.tests_total if stats.tests_total else grade.reward
-        stats.reward = grade.reward
-        return Trajectory(prompt, response, logprobs, versions, reward=grade.reward, loss_mask=mask,
+        reward = self._score(stats, grade, env.env)
+        return Trajectory(prompt, response, logprobs, versions, reward=reward, loss_mask=mask,
                           group_id=group_id, finish_reason=end,
-                          meta={"reason": details.get("reason", "unknown"), "task_id": task.task_id,
+                          meta={"reason": grade.details.get("reason", "unknown"), "task_id": task.task_id,
                                 "family": task.meta.get("family", ""), "end": end,
+                                "env_backend": self.backend.name,
                                 "stats": stats.as_floats()})  # fmt: skip
+
+    async def harness_episode(self, task: RepoTask, client, prompt: list[int], group_id: int) -> Trajectory:
+        """One episode driven by ``shell.harness`` in a thread, through the gateway (one key per episode);
+        the trajectory is built from the gateway's records (:func:`~areal_npu.agent.gateway.segments`)."""
+        if self.gateway is None:  # the first episodes of a group start together: one of them starts it
+            async with self._gateway_lock:
+                if self.gateway is None:
+                    gateway = Gateway()
+                    await gateway.start()
+                    self.gateway = gateway  # published once it listens
+
+        async def generate(ids: list[int], max_tokens: int):
+            return await self._generate(client, ids, max_tokens)
+
+        session = self.gateway.open(EpisodeSession(self.chat, generate, self.shell.max_tokens, self.cfg.max_new_tokens,
+                                                   self.shell.tool_parser))  # fmt: skip
+        env = _PooledEnv(RepoEnv(task, self.limits, self.backend, self.warm), self.pool)
+        cuts = []
+
+        def execute(command: str) -> tuple[str, int]:  # in the harness's thread
+            output, code = env.env.run(command)
+            output, cut = actions.cut_middle(output, self.shell.observation_chars)
+            cuts.append(cut)
+            return output, code
+
+        try:
+            await env.call(env.env.reset)
+            ctx = harness.HarnessContext(task.problem_statement, self.gateway.base_url, session.key, MODEL_NAME,
+                                         execute, task.workdir, self.cfg.max_turns, dict(self.shell.harness_config))  # fmt: skip
+            result = await asyncio.to_thread(self.harness, ctx)
+            grade = await env.call(env.env.grade)
+            await env.call(env.env.close)
+        finally:
+            self.gateway.close(session)
+            env.close_soon()
+        end = harness.end_reason(result, session.end_reason == "context")
+        stats = EpisodeStats(turns=len(session.calls), format_errors=int(result.get("format_errors", 0)),
+                             truncated_observations=sum(cuts), submitted=int(end == "submitted"),
+                             turn_budget=int(end == "turn_budget"), token_budget=int(end == "token_budget"),
+                             format_limit=int(end == "format_limit"), env_error=int(end == "env_error"),
+                             history_rewrites=sum(not (c.continues or c.compacted) for c in session.calls[1:]),
+                             compactions=sum(c.compacted for c in session.calls))  # fmt: skip
+        stats.tokens = session.tokens if session.calls else len(prompt)  # what the budget counted
+        stats.model_tokens = sum(len(c.output_ids) for c in session.calls)
+        reward = self._score(stats, grade, env.env)
+        parts = [Trajectory(s.prompt_ids, s.response_ids, s.logprobs, s.versions, reward=reward,
+                            loss_mask=s.mask, group_id=group_id, finish_reason=end)
+                 for s in segments(session.calls)] or [Trajectory(prompt, [], [], [], reward=reward,
+                                                                  group_id=group_id, finish_reason=end)]  # fmt: skip
+        meta = {"reason": grade.details.get("reason", "unknown"), "task_id": task.task_id, "end": end,
+                "env_backend": self.backend.name, "harness": self.shell.harness, "stats": stats.as_floats()}  # fmt: skip
+        if end == "env_error":
+            meta["error"] = str(result.get("error") or result.get("exit_status", ""))[:500]
+            logger.warning("harness %s ended an episode of %s with an error: %s", self.shell.harness, task.task_id,
+                           meta["error"])  # fmt: skip
+        main = parts[-1]
+        main.meta, main.segments = meta, parts[:-1]
+        return main

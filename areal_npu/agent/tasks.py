@@ -138,10 +138,16 @@ class TaskConfig:
     # a subset of the level's families (kind repo: of the bug families); empty: all
     families: list[str] = field(default_factory=list)
     # program: the embedded program-synthesis tasks | repo: repo-repair tasks for the shell agent
-    # (areal_npu.agent.repo_tasks: embedded, or a jsonl task set)
+    # (areal_npu.agent.repo_tasks: embedded, or a dataset on disk)
     kind: str = "program"
-    # kind repo: a task set in the SWE-bench / R2E-Gym JSONL layout; empty: the embedded repo tasks
-    jsonl: str = ""
+    # kind repo: a SWE-bench / R2E-Gym task set (a JSONL file, a swebench 5 task directory or a folder of
+    # either; areal_npu.agent.tasksets); empty: the embedded repo tasks
+    dataset: str = ""
+    # kind repo with a dataset: the folder a task's relative image (OCI layout / archive / root filesystem)
+    # is looked up in; empty: the dataset's own folder. Images that are not there are registry references.
+    image_root: str = ""
+    # kind repo with a dataset: where <instance_id>[.tar.gz|.zip] snapshots lie; empty: the dataset's folder
+    snapshots: str = ""
 
     def validate(self) -> None:
         for name in ("n_train", "n_eval", "n_examples", "n_tests"):
@@ -152,8 +158,9 @@ class TaskConfig:
             return
         if self.kind != "program":
             raise ConfigError("kind", f"must be program or repo; got {self.kind!r}")
-        if self.jsonl:
-            raise ConfigError("jsonl", "is read with kind: repo only")
+        for name in ("dataset", "image_root", "snapshots"):
+            if getattr(self, name):
+                raise ConfigError(name, "is read with kind: repo only")
         if self.n_examples > 4:
             raise ConfigError("n_examples", f"must be <= 4 (prompts must stay short); got {self.n_examples}")
         if self.n_tests > 32:
@@ -172,11 +179,16 @@ class TaskConfig:
         for name in ("level", "n_examples", "n_tests"):
             if getattr(self, name) != getattr(default, name):
                 raise ConfigError(name, "is a program-task option; kind repo does not read it")
-        if self.jsonl:
+        if not self.dataset:
+            for name in ("image_root", "snapshots"):
+                if getattr(self, name):
+                    raise ConfigError(name, "is read with a task.dataset only")
+        if self.dataset:
             if self.families:
-                raise ConfigError("families", "selects embedded repo tasks; a jsonl task set is used whole")
-            if not Path(self.jsonl).is_file():
-                raise ConfigError("jsonl", f"{self.jsonl!r} is not a file")
+                raise ConfigError("families", "selects embedded repo tasks; a dataset is used whole")
+            for name in ("dataset", "image_root", "snapshots"):
+                if getattr(self, name) and not Path(getattr(self, name)).exists():
+                    raise ConfigError(name, f"{getattr(self, name)!r} does not exist")
             return
         unknown = [f for f in self.families if f not in BUG_FAMILIES]
         if unknown:
@@ -225,7 +237,8 @@ def make_splits(cfg: TaskConfig) -> tuple[list[Task], list[Task]]:
     if cfg.kind == "repo":
         from areal_npu.agent.repo_tasks import make_repo_splits
 
-        return make_repo_splits(cfg.n_train, cfg.n_eval, cfg.seed, cfg.families, cfg.jsonl)
+        return make_repo_splits(cfg.n_train, cfg.n_eval, cfg.seed, cfg.families, cfg.dataset, cfg.image_root,
+                                cfg.snapshots)
     train = make_dataset(cfg.n_train, cfg.seed, cfg.level, cfg.n_examples, cfg.n_tests, cfg.families)
     seen = {format_prompt(t) for t in train}
     pool = make_dataset(

@@ -26,7 +26,9 @@ import importlib
 import inspect
 from dataclasses import dataclass, field
 
+from areal_npu.agent.jail import backend
 from areal_npu.agent.reward import reward_many
+from areal_npu.agent.sandbox import SandboxLimits
 from areal_npu.agent.shell_config import ShellAgentConfig
 from areal_npu.agent.tasks import Task, format_prompt
 from areal_npu.config import ConfigError
@@ -43,6 +45,13 @@ class WorkflowConfig:
     max_turns: int = 2  # MultiTurn and ShellAgent: model turns per episode
     turn_discount: float = 0.5  # MultiTurn only: reward * discount ** (turns - 1)
     reward_workers: int = 2  # concurrent sandboxes per workflow call
+    # SingleTurn / MultiTurn: what grades answers: auto = bwrap (the jail; refused at --check where it
+    # cannot start) | process (the weaker process sandbox: only when named here)
+    grader_jail: str = "auto"
+    # ShellAgent: reward 0 for an episode whose kept diff adds exit hooks, os._exit, an exit at import or
+    # output that mimics the test runner in non-test code (agent.suspicious; counted as reward/suspicious
+    # either way). For command-run tests only: there the code under test runs inside the runner's process
+    zero_suspicious_reward: bool = False
     shell: ShellAgentConfig = field(default_factory=ShellAgentConfig)  # ShellAgent only
 
     def validate(self) -> None:
@@ -100,8 +109,20 @@ def load_workflow(cfg: WorkflowConfig, tokenizer):
     return workflow_class(cfg.path)(cfg, tokenizer)
 
 
+def check_grader(cfg: WorkflowConfig) -> None:
+    """The grading sandbox starts here, or the weaker one is named (``grader_jail``)."""
+    if cfg.grader_jail not in ("auto", "bwrap", "process"):
+        raise ConfigError("grader_jail", f"must be auto, bwrap or process; got {cfg.grader_jail!r}")
+    if cfg.grader_jail != "process":
+        ok, why = backend("bwrap").available()
+        if not ok:
+            raise ConfigError("grader_jail", f"the bwrap jail cannot start here ({why}); set "
+                              "workflow.grader_jail=process to grade in the weaker process sandbox")  # fmt: skip
+
+
 class SingleTurn:
-    config_keys = frozenset({"max_new_tokens", "reward_workers"})
+    config_keys = frozenset({"max_new_tokens", "reward_workers", "grader_jail"})
+    check_config = staticmethod(check_grader)
 
     def __init__(self, cfg: WorkflowConfig, tokenizer):
         self.cfg = cfg
@@ -126,7 +147,8 @@ class SingleTurn:
 
     async def grade(self, tasks: list[Task], samples) -> list[tuple[float, str]]:
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
-        return await asyncio.to_thread(reward_many, tasks, texts, self.cfg.reward_workers)
+        limits = SandboxLimits(jail=self.cfg.grader_jail)
+        return await asyncio.to_thread(reward_many, tasks, texts, self.cfg.reward_workers, limits)
 
     async def run(self, task: Task, client, group_id: int) -> list[Trajectory]:
         prompt = self.encode(format_prompt(task))

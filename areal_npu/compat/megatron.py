@@ -12,9 +12,11 @@ shim that fails once upstream stops needing it.
 Gloo in torch 2.13 has ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, so TP with fewer KV
 heads than ranks and sequence parallelism run over gloo once their buffers are allocated on the CPU
 (the mapping and buffer shims below). The CUDA RNG tracker, which Megatron forks around every layer
-under sequence parallelism, is swapped for Megatron's own stateless (inference) tracker through its
-``initialize_rng_tracker`` API (:func:`_stateless_rng_tracker`): exact because the engine's dropout
-is 0.
+under sequence parallelism, is Megatron's training tracker with its bookkeeping kept and its CUDA
+RNG state dropped (:func:`_cpu_rng_tracker`): states are registered as upstream registers them
+(``model_parallel_cuda_manual_seed``, called by :func:`areal_npu.train.megatron.runtime.init_parallel_state`
+on every device), and a fork of a state never registered fails as it does on a GPU -- the shim
+does not hide a missing registration. Forking draws nothing: exact because the engine's dropout is 0.
 
 Activation recomputation (``train.gradient_checkpointing``): Megatron's ``CheckpointFunction``
 saves the CUDA RNG state in its forward and restores it around the recomputation in its backward
@@ -35,9 +37,9 @@ schedule allocates one counter with the literal ``device="cuda"`` (:data:`CPU_SC
 
 What is deliberately *not* shimmed, because the Megatron engine never reaches it on the CPU:
 
-- the training RNG tracker's state handling: used by weight initialisation on the device (we
-  build with ``use_cpu_initialization`` and load HF weights, no random init); recomputation saves
-  the stateless tracker's (empty) states through the tracker's own API;
+- the training RNG tracker's CUDA state: used by weight initialisation on the device (we
+  build with ``use_cpu_initialization`` and load HF weights, no random init) and by dropout (0);
+  recomputation saves the CPU tracker's states through the tracker's own API;
 - ``CheckpointWithoutOutput`` (selective recomputation of single modules): the engine uses full
   recomputation only;
 - the packed-sequence refusal of the non-TE ``DotProductAttention``: the engine's layer spec uses
@@ -292,17 +294,36 @@ def apply_cpu_patches() -> list[str]:
             if not isinstance(owner, type):
                 _rebind_importers(module_name, name, current, patched)
             _applied.append(key)
-        _stateless_rng_tracker()
+        _cpu_rng_tracker()
         return list(_applied)
 
 
-def _stateless_rng_tracker() -> None:
-    """Megatron forks its CUDA RNG tracker around every decoder and MTP layer under sequence
-    parallelism (for dropout). On a CPU-only build the training tracker cannot read or set a CUDA
-    RNG state. The engine runs with dropout 0 (``transformer_config``), so no random number is drawn
-    inside the fork, and Megatron's own inference tracker (its ``fork`` is a ``nullcontext``) is
-    exact. Not a patch: Megatron's ``initialize_rng_tracker`` API, once per process."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, initialize_rng_tracker
+def _cpu_rng_tracker() -> None:
+    """Install, once per process, Megatron's training RNG tracker without a CUDA RNG state: ``add``
+    keeps upstream's checks (a seed or a name used twice) and records the state, ``fork`` refuses a
+    state never added (upstream's error) and otherwise leaves every generator alone. Installed
+    through the tracker module's own globals, the ones ``initialize_rng_tracker`` sets (it has no
+    class argument); ``initialize_rng_tracker(force_reset=True)`` puts upstream's back."""
+    from megatron.core.tensor_parallel import random as mrandom
 
-    if type(get_cuda_rng_tracker()).__name__ != "InferenceCudaRNGStatesTracker":
-        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    if type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ == "CpuRNGStatesTracker":
+        return
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"cuda rng state {name} already exists")
+            self.states_[name] = torch.tensor(seed)  # stands for the state a GPU would keep
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"cuda rng state {name} is not added")
+            yield
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -57,7 +57,8 @@ class PackingConfig:
         first ``cap`` tokens of that sequence (its loss mask cut alike).
     tp_size, cp_size: alignment of the packed length: a multiple of ``tp`` or ``2 * tp * cp``; a
         recipe derives them from ``train.megatron.tp_size`` / ``cp_size`` (1 with FSDP2).
-    cost_linear_coef: ``c`` in ``cost(s) = s**2 + c * s`` used to balance work across ranks.
+    cost_linear_coef: ``c`` in ``cost(s) = s**2 + c * s``, which balances the micro-batches when their
+        count is forced above the plan's own (several data-parallel ranks, ``min_mbs``, ``mbs_divisor``).
     """
 
     max_tokens_per_mb: int = 8192

@@ -29,6 +29,9 @@ class Trajectory:
     group_id: int = 0  # trajectories of one prompt share a group (GRPO)
     finish_reason: str = ""
     meta: dict = field(default_factory=dict)
+    # earlier token sequences of the same episode (an agent harness rewrote its history, so they are not
+    # a prefix of this one): trained as samples of their own with this trajectory's advantage
+    segments: list[Trajectory] = field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.response_ids)
@@ -47,7 +50,7 @@ class Trajectory:
 
     def oldest_version(self) -> int:
         """The oldest weight version among trained tokens (-1 if none): what staleness is judged by."""
-        trained = [v for v, m in zip(self.versions, self.response_mask()) if m and v >= 0]
+        trained = [v for t in (*self.segments, self) for v, m in zip(t.versions, t.response_mask()) if m and v >= 0]
         return min(trained) if trained else -1
 
 

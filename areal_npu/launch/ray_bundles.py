@@ -24,6 +24,8 @@ from areal_npu.placement.model import Cluster, Plan
 
 #: Ray rounds resource amounts to 1e-4; a fraction rounded down keeps a node's sum within it.
 _RAY_RESOLUTION = 10_000
+#: the share of a node's ``node:<address>`` resource (1 per node) that pins a group to it
+NODE_PIN = 0.001
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,17 @@ def placements(plan: Plan) -> list[Placement]:
     return out
 
 
-def placement_groups(plan: Plan) -> list[list[dict[str, float]]]:
-    """The bundles of each placement group (one group per plan node, in node order)."""
+def placement_groups(plan: Plan, node_addrs: tuple[str, ...] = ()) -> list[list[dict[str, float]]]:
+    """The bundles of each placement group (one group per plan node, in node order). With the
+    cluster's ``node_addrs`` each group's first bundle also asks for a sliver of Ray's
+    ``node:<address>`` resource of its plan node, so the group lands on that node: the plan gave
+    the ranks there their MASTER_ADDR (node 0's address) and Ray alone would pick any node that fits."""
     groups: dict[int, list[dict[str, float]]] = {}
     for spot in placements(plan):
-        groups.setdefault(spot.group, []).append(spot.resources)
+        bundle = dict(spot.resources)
+        if node_addrs and spot.group not in groups:
+            bundle[f"node:{node_addrs[spot.node]}"] = NODE_PIN
+        groups.setdefault(spot.group, []).append(bundle)
     return [groups[g] for g in sorted(groups)]
 
 

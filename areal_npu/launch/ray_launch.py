@@ -11,7 +11,8 @@ laptops). The launcher
 1. describes the cluster from ``ray.nodes()`` (``ray_bundles.cluster_from_ray``) and plans the
    recipe on it (``placement.plan_recipe``: the same plan ``--dry-run`` prints);
 2. reserves one placement group per plan node, one bundle per process, with the device seam's
-   resource names (``ray_bundles``), and waits until Ray grants them (or stops, naming the demand);
+   resource names (``ray_bundles``), each group pinned to its plan node's Ray node (the ranks' MASTER_ADDR
+   is node 0's), and waits until Ray grants them (or stops, naming the demand);
 3. starts every trainer rank as an actor in its bundle (``ray_actors.ProcessRunner``) running
    ``python -m areal_npu.cli train RECIPE ...`` with the plan's environment -- torchrun's variables
    (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a rank behaves
@@ -72,8 +73,9 @@ def engine_spec(plan, spots, group_names, address: str, report_dir: str) -> dict
 class RayRun:
     """One run's placement groups and trainer actors; :meth:`run` returns the exit code."""
 
-    def __init__(self, cfg, plan, train_argv: list[str], run_dir: Path, ready_timeout_s: float = 300.0):
-        self.cfg, self.plan, self.train_argv = cfg, plan, train_argv
+    def __init__(self, cfg, plan, train_argv: list[str], run_dir: Path, ready_timeout_s: float = 300.0,
+                 node_addrs: tuple[str, ...] = ()):  # fmt: skip
+        self.cfg, self.plan, self.train_argv, self.node_addrs = cfg, plan, train_argv, node_addrs
         self.run_dir, self.ready_timeout_s = run_dir, ready_timeout_s
         self.report_dir = run_dir / "ray"
         self.groups, self.actors = [], {}  # process name -> actor
@@ -82,7 +84,7 @@ class RayRun:
         import ray
         from ray.util.placement_group import placement_group
 
-        bundles = placement_groups(self.plan)
+        bundles = placement_groups(self.plan, self.node_addrs)
         names = [f"areal-{tag}-node{i}" for i in range(len(bundles))]
         self.groups = [placement_group(b, strategy="STRICT_PACK", name=n) for b, n in zip(bundles, names)]
         ready, _ = ray.wait([g.ready() for g in self.groups], num_returns=len(self.groups),
@@ -240,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_recipe(cfg, cluster)
         train_argv = [sys.executable, "-m", "areal_npu.cli", "train", str(Path(args.recipe).resolve()),
                       *args.overrides, *(["--resume"] if args.resume else [])]  # fmt: skip
-        return RayRun(cfg, plan, train_argv, Path(cfg.run_dir).resolve(), args.ready_timeout_s).run()
+        run = RayRun(
+            cfg, plan, train_argv, Path(cfg.run_dir).resolve(), args.ready_timeout_s, cluster.node_addrs
+        )
+        return run.run()
     except (ConfigError, ValueError) as exc:
         print(f"ray_launch: {exc}", file=sys.stderr)
         return EXIT_USAGE

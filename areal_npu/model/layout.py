@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from areal_npu.model.hf_shards import DEFAULT_MAX_SHARD_BYTES
 from areal_npu.model.mtp import MTPConfig, Qwen35MTP, mtp_state_dict
 from areal_npu.model.mtp_checkpoint import INDEX_NAME, MTP_SHARD_NAME, attach_mtp
 
@@ -49,6 +50,7 @@ __all__ = [
     "TEXT",
     "VISION_PREFIX",
     "CheckpointLayout",
+    "config_and_layout",
     "detect_layout",
     "load_for_training",
     "load_model_with_mtp",
@@ -140,19 +142,20 @@ class CheckpointLayout:
         named: Iterable[tuple[str, torch.Tensor]],
         text_config,
         tokenizer=None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> Path:
-        """Write ``config.json``, ``model.safetensors`` (training-named tensors renamed, carried ones
-        added) and the processor files into ``out_dir``."""
-        from safetensors.torch import save_file
+        """Write ``config.json``, the weights (training-named tensors renamed, carried ones added;
+        streamed one tensor at a time into shards of at most ``max_shard_bytes``,
+        :mod:`areal_npu.model.hf_shards`) and the processor files into ``out_dir``."""
+        from areal_npu.model.hf_shards import ShardedSafetensorsWriter
 
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = self.checkpoint_tensors(named)
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(out / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
+        writer = ShardedSafetensorsWriter(out, max_shard_bytes)
+        for name, tensor in named:
+            writer.add(self.checkpoint_name(name), tensor)
+        for name, tensor in self.carried.items():
+            writer.add(name, tensor)
+        writer.finish()
         config = self.config if self.kind == PUBLISHED else text_config
         if self.kind == PUBLISHED and config.text_config is not text_config:
             raise ValueError(
@@ -186,6 +189,27 @@ def _load_published_text_model(model_dir: Path, config, dtype: torch.dtype):
     return model
 
 
+def _published_layout(model_dir: Path, config) -> CheckpointLayout:
+    carried = read_checkpoint_tensors(model_dir, keep=lambda n: n.startswith(VISION_PREFIX))
+    files = {
+        name: (model_dir / name).read_bytes() for name in PROCESSOR_FILES if (model_dir / name).is_file()
+    }
+    return CheckpointLayout(PUBLISHED, config, carried, files)
+
+
+def config_and_layout(model_dir: str | Path):
+    """``(text config, CheckpointLayout)`` of a checkpoint in either layout, without loading its
+    weights (engines that read only their shards: :mod:`areal_npu.model.safetensors_reader`). For a
+    published one the text config is the very ``text_config`` object of the layout's config."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if detect_layout(model_dir) == TEXT:
+        return config, CheckpointLayout(TEXT)
+    return config.text_config, _published_layout(model_dir, config)
+
+
 def load_for_training(model_dir: str | Path, mtp_cfg, dtype: torch.dtype = torch.float32):
     """``(text causal LM, MTP head or None, CheckpointLayout)`` from a checkpoint in either layout."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -197,12 +221,7 @@ def load_for_training(model_dir: str | Path, mtp_cfg, dtype: torch.dtype = torch
         return model, attach_mtp(model, mtp_cfg, model_dir), CheckpointLayout(TEXT)
     config = AutoConfig.from_pretrained(str(model_dir))
     model = _load_published_text_model(model_dir, config, dtype)
-    carried = read_checkpoint_tensors(model_dir, keep=lambda n: n.startswith(VISION_PREFIX))
-    files = {
-        name: (model_dir / name).read_bytes() for name in PROCESSOR_FILES if (model_dir / name).is_file()
-    }
-    layout = CheckpointLayout(PUBLISHED, config, carried, files)
-    return model, attach_mtp(model, mtp_cfg, model_dir), layout
+    return model, attach_mtp(model, mtp_cfg, model_dir), _published_layout(model_dir, config)
 
 
 def load_model_with_mtp(model_dir: str | Path, cfg: MTPConfig, dtype: torch.dtype = torch.float32, **kwargs):

@@ -21,6 +21,7 @@ __all__ = [
     "INDEX_NAME",
     "MTP_SHARD_NAME",
     "attach_mtp",
+    "build_mtp_head",
     "load_mtp_state",
     "read_mtp_tensors",
 ]
@@ -81,12 +82,20 @@ def attach_mtp(model, cfg: MTPConfig, checkpoint_dir: str | Path | None = None) 
     ``checkpoint_dir``. Without those weights it fails unless ``cfg.init_new_head``."""
     if not cfg.enabled:
         return None
+    ref = model.get_input_embeddings().weight
+    # a Qwen3.5 VLM keeps the text shapes in text_config
+    return build_mtp_head(model.config.get_text_config(), cfg, checkpoint_dir, ref.dtype, ref.device)
+
+
+def build_mtp_head(
+    config, cfg: MTPConfig, checkpoint_dir=None, dtype=torch.float32, device="cpu"
+) -> Qwen35MTP:
+    """:func:`attach_mtp` from the text config alone (no policy model needed): the head, with its
+    ``mtp.*`` weights read from ``checkpoint_dir`` or new (``cfg.init_new_head``)."""
     tensors = read_mtp_tensors(checkpoint_dir) if checkpoint_dir is not None else {}
-    config = model.config.get_text_config()  # a Qwen3.5 VLM keeps the text shapes in text_config
     found = _infer_num_layers(tensors)
     num_layers = cfg.num_layers or found or int(getattr(config, "mtp_num_hidden_layers", 0) or 1)
-    ref = model.get_input_embeddings().weight
-    mtp = Qwen35MTP(config, num_layers).to(device=ref.device, dtype=ref.dtype)
+    mtp = Qwen35MTP(config, num_layers).to(device=device, dtype=dtype)
     if tensors:
         load_mtp_state(mtp, tensors)
     elif cfg.init_new_head:

@@ -239,7 +239,12 @@ def _notes(cluster, all_units, processes, shared, multi_node) -> list[str]:
             f"trainer ranks per node differ ({counts}): torchrun starts the same number on every node"
         )
     if multi_node and not cluster.node_addrs:
-        notes.append("node addresses are placeholders (<nodeN>): fill in the nodes' addresses")
+        others = f"<node1>..<node{cluster.nodes - 1}>" if cluster.nodes > 2 else "<node1>"
+        if not cluster.master_addr:
+            notes.append("node 0's address is a placeholder (<node0>): give it with --master-addr ADDR "
+                         "(the recipe scripts: MASTER_ADDR=ADDR)")  # fmt: skip
+        notes.append(f"the other nodes' addresses ({others}) are placeholders: the Ray launcher "
+                     "(--launcher ray, the recipe scripts' LAUNCHER=ray) takes them from the nodes that join")  # fmt: skip
     if multi_node and not cluster.socket_ifname:
         notes.append(
             f"several nodes: set {' and '.join(IFNAME_VARS[cluster.kind])} to the interface between them"

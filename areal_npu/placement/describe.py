@@ -29,8 +29,45 @@ def describe_cluster(kind: str, nodes: int | None = None, devices_per_node: int 
     return Cluster(kind, nodes, tuple(ids), source="detected")
 
 
-def render(result: Plan, console=None) -> None:
-    """The plan as one table (process, node, devices, env, role) plus transport, idle devices, notes."""
+def collapse(processes) -> tuple[dict[str, str], list[str]]:
+    """The environment all ``processes`` share, and the names of the variables that differ."""
+    common = dict(processes[0].env)
+    for p in processes[1:]:
+        common = {k: v for k, v in common.items() if p.env.get(k) == v}
+    varying = [k for k in dict.fromkeys(k for p in processes for k in p.env) if k not in common]
+    return common, varying
+
+
+def _span(values: list[str]) -> str:
+    return values[0] if len(set(values)) == 1 else f"{values[0]}..{values[-1]}"
+
+
+def role_rows(result: Plan) -> list[dict[str, str]]:
+    """One row per role (trainer, engines): count, nodes, devices, shared and varying environment."""
+    rows = []
+    for role, group in (("trainer", result.trainers), ("engine", result.engines)):
+        if not group:
+            continue
+        common, varying = collapse(group)
+        nodes = sorted({p.node for p in group})
+        if role == "trainer":
+            count = f"{len(group)} rank(s)"
+            devices = "; ".join(f"node {n}: {plat.format_id_list([d for p in group if p.node == n for d in p.devices])}"
+                                for n in nodes)  # fmt: skip
+        else:
+            count = f"{len(group)} x tp {group[0].tp}"
+            devices = ", ".join(plat.format_id_list(p.devices) for p in group)
+            hosts = sorted({f"{p.host}:{p.port or 'auto'}" for p in group})
+            common = {"listen": ", ".join(hosts), **common}
+        vary = ", ".join(f"{k} ({_span([p.env[k] for p in group if k in p.env])})" for k in varying)
+        rows.append({"role": role, "count": count, "nodes": ", ".join(map(str, nodes)), "devices": devices,
+                     "env": " ".join(f"{k}={v}" for k, v in common.items()), "per process": vary})  # fmt: skip
+    return rows
+
+
+def render(result: Plan, console=None, verbose: bool = False) -> None:
+    """The plan: one row per role (``verbose``: one table row per process with its whole
+    environment) plus transport, idle devices, notes."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -39,6 +76,15 @@ def render(result: Plan, console=None) -> None:
         console = Console()
         if not console.is_terminal:  # piped: rich's 80 columns would fold every variable
             console = Console(width=160)
+    if not verbose:
+        table = Table(show_lines=True, title="processes (--verbose: every process's environment)")
+        for column in ("role", "count", "nodes", "devices", "env", "per process"):
+            table.add_column(column, overflow="fold")
+        for row in role_rows(result):
+            table.add_row(*(escape(v) for v in row.values()))
+        console.print(table)
+        _tail(result, console)
+        return
     unit = "cores" if result.device_kind == "cpu" else "devices"
     title = (f"placement: {result.nodes} node(s) x {len(result.device_ids)} {result.device_kind} {unit}; "
              f"trainer {result.trainer.describe()} rank(s); {result.num_engines} engine(s) x tp {result.engine_tp}")  # fmt: skip
@@ -52,10 +98,19 @@ def render(result: Plan, console=None) -> None:
         env = "\n".join(f"{k}={v}" for k, v in p.env.items())
         table.add_row(p.name, str(p.node), plat.format_id_list(p.devices), escape(env), escape(role))
     console.print(table)
+    _tail(result, console)
+
+
+def _tail(result: Plan, console) -> None:
+    from rich.markup import escape
+
     t = result.weight_transport
     line = f"weight transport: {t['name']} (drafter: {t['drafter']})"
     if t["group"]:
-        line += f"; group {', '.join(t['group'])} (world size {t['group_world_size']})"
+        members = (
+            t["group"] if len(t["group"]) <= 3 else [t["group"][0], f"{t['group'][1]}..{t['group'][-1]}"]
+        )
+        line += f"; group {', '.join(members)} (world size {t['group_world_size']})"
     console.print(escape(line))
     for node, ids in result.idle.items():
         console.print(f"idle on node {node}: {plat.format_id_list(ids)}")

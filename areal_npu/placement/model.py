@@ -74,12 +74,14 @@ class TrainerLayout:
 class Cluster:
     """The machine(s) to plan for: ``nodes`` alike, each with ``device_ids`` (physical ids: NPUs,
     GPUs, or CPU cores). ``node_addrs`` fill MASTER_ADDR and engine hosts across nodes (else
-    placeholders); ``source`` says whether it was described (flags) or detected."""
+    placeholders; ``master_addr`` fills node 0's alone); ``source`` says whether it was described
+    (flags) or detected."""
 
     kind: str
     nodes: int = 1
     device_ids: tuple[int, ...] = ()
     node_addrs: tuple[str, ...] = ()
+    master_addr: str | None = None  # node 0's alone (the others' come at launch: Ray)
     socket_ifname: str | None = None
     master_port: int = 29500
     hccl_base_port: int = 64000  # the images' HCCL_IF_BASE_PORT (docker/Dockerfile)
@@ -112,7 +114,9 @@ class Cluster:
             raise ConfigError("node_addrs", f"{len(self.node_addrs)} addresses for {self.nodes} nodes")
 
     def addr(self, node: int) -> str:
-        return self.node_addrs[node] if self.node_addrs else f"<node{node}>"
+        if self.node_addrs:
+            return self.node_addrs[node]
+        return self.master_addr if node == 0 and self.master_addr else f"<node{node}>"
 
 
 @dataclass

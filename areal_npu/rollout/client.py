@@ -15,6 +15,7 @@ launcher made (or given as ``secret`` with plain URLs).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -24,10 +25,12 @@ from typing import Any
 import torch
 
 from areal_npu import names
-from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
+from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES
 from areal_npu.rollout import guard
-from areal_npu.rollout.buckets import pack_bucket, split_policy_and_draft
+from areal_npu.rollout.buckets import pack_bucket
+from areal_npu.rollout.weight_stream import iter_target_buckets, streaming
 from areal_npu.speculation.acceptance import SpecCounters, SpecMetricsTracker
+from areal_npu.speculation.context import ContextAcceptance
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +129,10 @@ class RolloutClient:
         self.restart_locks = [asyncio.Lock() for _ in self.engines]
         self.generation = [0] * len(self.engines)  # bumped on every restart
         self.tracker = SpecMetricsTracker()
+        self.by_context = ContextAcceptance()  # samples' spec pooled per context bucket until step_metrics
         self.busy = BusyClock()
         self.spec_k: int | None = None  # the draft length last set (re-applied after a restart)
+        self.spec_k_body: dict = {}  # ... and the body that set it (with the per-bucket table)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
@@ -226,6 +231,8 @@ class RolloutClient:
                 )
                 for s in data["samples"]
             ]
+            for s in result.samples:
+                self.by_context.add(s.spec, len(result.input_ids), len(s.output_ids))
             if any(s.finish_reason == "abort" for s in result.samples):
                 errors.append(f"engine {i}: request aborted")
                 failed_on.add(i)
@@ -283,7 +290,7 @@ class RolloutClient:
             self.generation[i] += 1
             if self.spec_k is not None:
                 try:
-                    await self._post_json(i, "/areal/spec_k", {"k": self.spec_k})
+                    await self._post_json(i, "/areal/spec_k", self.spec_k_body)
                 except EngineFailure as exc:
                     logger.warning("re-applying spec_k=%d on engine %d failed: %s", self.spec_k, i, exc)
             if resync and self.on_restart is not None:
@@ -312,10 +319,12 @@ class RolloutClient:
         await self._all(lambda i: self._post_json(i, "/areal/resume"))
         self.busy.tick(self.in_flight, paused=False)
 
-    async def set_spec_k(self, k: int) -> None:
-        """Draft length of every engine from its next scheduler step on (engines with ``spec.adaptive``)."""
-        await self._all(lambda i: self._post_json(i, "/areal/spec_k", {"k": int(k)}))
-        self.spec_k = int(k)
+    async def set_spec_k(self, k: int, by_context: list[int] | None = None) -> None:
+        """Draft length of every engine from its next scheduler step on (engines with ``spec.adaptive``);
+        ``by_context``: one per context bucket (``speculation/context.py``), ``k`` where nothing runs."""
+        body = {"k": int(k)} | ({"by_context": [int(v) for v in by_context]} if by_context else {})
+        await self._all(lambda i: self._post_json(i, "/areal/spec_k", body))
+        self.spec_k, self.spec_k_body = int(k), body
 
     async def versions(self) -> list[int]:
         return [d["version"] for d in await self._all(lambda i: self._get_json(i, "/areal/version"))]
@@ -339,9 +348,11 @@ class RolloutClient:
         return total
 
     async def step_metrics(self) -> dict[str, float]:
-        """``rollout/spec_*``, ``rollout/tokens_per_s`` (wall clock) and ``rollout/tokens_per_busy_s``
-        (per second an engine had work: the throughput speculation changes) since the previous call."""
+        """``rollout/spec_*`` (``rollout/spec_ctx_*``: per context bucket, from the samples' ``spec``),
+        ``rollout/tokens_per_s`` (wall clock) and ``rollout/tokens_per_busy_s`` (per second an engine
+        had work: the throughput speculation changes) since the previous call."""
         stats = self.tracker.step(await self.counters())
+        stats.update(self.by_context.step())  # rollout/spec_ctx_*: engines with per-request statistics
         busy = self.busy.delta(self.in_flight)
         stats[names.BUSY_S] = busy
         stats[names.TOKENS_PER_BUSY_S] = stats[names.GENERATED_TOKENS] / busy if busy > 0 else 0.0
@@ -356,19 +367,19 @@ class RolloutClient:
         bucket_bytes: int | None = None,
         engines: Iterable[int] | None = None,
     ) -> dict:
-        """One versioned update of ``engines`` (default: all) by RPC buckets: policy tensors, then the
-        ``mtp.*`` drafter's, staged on each engine while it keeps generating; the commit (with the
-        tensor counts sent) applies them all at once, so tokens carry ``version`` exactly from the
-        weights that were sent whole. ``sync_draft=False`` leaves the drafter as it is (a frozen MTP
-        head; also how the tests show what a stale drafter costs).
+        """One versioned update of ``engines`` (default: all) by RPC buckets: policy tensors and the
+        ``mtp.*`` drafter's, each bucket drawn from ``named_tensors`` (a stream: one iteration, one
+        bucket at a time, :mod:`.weight_stream`), packed once and staged on each engine while it
+        keeps generating; the commit (with the tensor counts sent) applies them all at once, so
+        tokens carry ``version`` exactly from the weights that were sent whole. ``sync_draft=False``
+        leaves the drafter as it is (a frozen MTP head; also how the tests show what a stale drafter
+        costs).
 
         Engines fail independently: one that fails (connection lost, an error answer) is dropped from
         the rest of the session and its session abandoned (nothing of it applied), while the others
         commit. Raises :class:`WeightSyncError` naming the failed engines after the others committed.
         """
-        policy, draft = split_policy_and_draft(named_tensors)
-        targets = [("policy", policy), ("draft", draft if sync_draft else [])]
-        expect = {target: len(tensors) for target, tensors in targets if tensors}
+        expect: dict[str, int] = {}
         max_bytes = bucket_bytes or self.bucket_bytes
         order = list(range(len(self.engines))) if engines is None else sorted(set(engines))
         live, failed = list(order), {}
@@ -392,12 +403,18 @@ class RolloutClient:
 
         await on_live("/areal/update_weights/begin")
         buckets = 0
-        for target, tensors in targets:
-            for bucket in iter_buckets(tensors, max_bytes):
+        with streaming(named_tensors) as pairs:
+            for target, bucket in iter_target_buckets(pairs, max_bytes, sync_draft):
                 if not live:
                     break
-                await on_live(f"/areal/update_weights/bucket?target={target}", content=pack_bucket(bucket))
+                expect[target] = expect.get(target, 0) + len(bucket)
+                payload = pack_bucket(bucket)
+                await on_live(f"/areal/update_weights/bucket?target={target}", content=payload)
                 buckets += 1
+                del bucket, payload  # not alive while the next bucket is drawn and packed
+                # each request's body (this packed bucket) sits in a reference cycle of httpx's
+                # (a response and its stream): freed now, not buckets later at the next collection
+                gc.collect(1)
         self.busy.tick(self.in_flight, paused=True)  # the commit pauses generation while it loads
         try:
             results = await on_live("/areal/update_weights/commit", {"version": version, "expect": expect})

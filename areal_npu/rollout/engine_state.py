@@ -1,5 +1,6 @@
 """What one engine process's ``/areal`` routes share: the weight version, the open weight update and
-whether the model holds partly loaded weights, and the draft length it runs.
+whether the model holds partly loaded weights, and the draft length it runs; and the one step that
+makes a new version's KV cache clean (``drop_stale_kv``).
 
 The routes (``generation_routes``, ``weight_routes``, ``spec_routes``) read and change it under
 ``lock`` where an update is involved; ``server.py`` builds it once the vLLM engine is up.
@@ -90,6 +91,21 @@ class EngineState:
         elif self.paused_for_update and self.dirty is None:
             await self.engine.resume_generation()
             self.paused_for_update = False
+
+    async def drop_stale_kv(self) -> None:
+        """With prefix caching on, forget every KV block computed under the weights just replaced:
+        called at a commit once the new weights are loaded, while generation is still paused.
+
+        vLLM refuses to reset its prefix cache while requests hold blocks, and a ``keep`` pause holds
+        the in-flight ones: ``reset_running_requests=True`` preempts them first (vLLM's own
+        ``pause_generation(clear_cache=True)`` does the same), so after ``resume`` they recompute
+        their prompt and the tokens generated so far under the new weights. Raises unless vLLM says
+        the reset succeeded: the commit then fails and the engine stays paused (``weight_routes``)."""
+        if not self.cfg.enable_prefix_caching:
+            return  # nothing is shared between requests; in-flight ones keep their own KV (keep mode)
+        done = await self.engine.reset_prefix_cache(reset_running_requests=True)
+        if done is not True:
+            raise RuntimeError(f"vLLM did not reset its prefix cache (answered {done!r}): stale KV is cached")
 
     def not_now(self) -> str:
         """Why generation is held (partly loaded weights, or an update loading)."""

@@ -14,19 +14,25 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 
-from areal_npu.rollout import request_body
+from areal_npu.rollout import raw_sampling, request_body
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.engine_state import EngineState
 from areal_npu.rollout.route_errors import checked, read_body, refused_by_vllm, vllm_client_errors
 
 
 def checked_top_k(body: dict[str, Any], cfg: RolloutConfig) -> int:
-    """The request's top-k (0: none), refused together with speculation (a validated ``body``)."""
+    """The request's top-k (0: none), refused together with speculation (a validated ``body``); on
+    an engine that returns raw log-probs, any temperature (but greedy 0), top-p or top-k that
+    transforms the distribution is refused too (``raw_sampling``)."""
     top_k = cfg.top_k if body["top_k"] is None else body["top_k"]
     if cfg.spec.enabled and top_k > 0:
         raise request_body.BodyError(
             "top_k", f"= {top_k} with speculative decoding ({cfg.spec.method}) crashes vLLM 0.32; use top_p"
         )
+    why = raw_sampling.why_raw(cfg)
+    if why is not None:
+        sampling = {"temperature": body["temperature"], "top_p": body["top_p"], "top_k": max(top_k, 0)}
+        raw_sampling.refuse_transformed(sampling, why)
     return max(top_k, 0)
 
 

@@ -218,4 +218,13 @@ def safetensors_count(payload: bytes) -> int:
 
 
 def spec_k_fields(k_max: int) -> dict[str, Field]:
-    return {"k": Field(Kind(f"an integer in [0, {k_max}]", lambda v: _is_int(v) and 0 <= v <= k_max))}
+    """``k``; ``by_context`` (null: one k for every batch): one k per context bucket
+    (``speculation/context.py``), the engine applying the running batch's dominant bucket's."""
+    in_range = lambda v: _is_int(v) and 0 <= v <= k_max  # noqa: E731
+    table = Kind(
+        f"a list of integers in [0, {k_max}]", lambda v: isinstance(v, list) and all(map(in_range, v))
+    )
+    return {
+        "k": Field(Kind(f"an integer in [0, {k_max}]", in_range)),
+        "by_context": Field(table, default=None, nullable=True, check=lambda v: non_empty(v)),
+    }

@@ -5,7 +5,7 @@ Run as ``python -m areal_npu.rollout.server --config CONFIG.json --port PORT`` (
 OpenAI routes (``/v1/...``) for agent frameworks; this process adds, under ``/areal``:
 
 * ``POST /areal/generate``, ``/areal/pause``, ``/areal/resume`` (``generation_routes.py``) -- token
-  ids in; per sample: generated ids, behaviour log-prob of every sampled token (``raw_logprobs``),
+  ids in; per sample: generated ids, behaviour log-prob of every sampled token (``RolloutConfig.logprobs_mode``),
   the weight version of every token, finish reason, and the request's speculative-decoding summary
   (null where vLLM has no per-request metrics: 0.23). Pausing is ``keep`` mode: in-flight requests
   freeze and continue after resume (their later tokens carry the new version).
@@ -18,6 +18,10 @@ OpenAI routes (``/v1/...``) for agent frameworks; this process adds, under ``/ar
   acceptance counters as JSON (on every vLLM version).
 * ``GET /areal/version`` -- weight version, update state, draft length, and the vLLM version and
   feature map (``EngineState.status`` in ``engine_state.py``).
+
+An engine that returns raw log-probs (speculation on, or vLLM < 0.32) refuses sampling that would
+make them wrong as behaviour log-probs (400 naming the field; ``raw_sampling.py``): on
+``/areal/generate``, and on vLLM's routes when a request asks for log-probs.
 
 Every route but ``GET /health`` needs the run's secret (``guard.py``: 401 without it, before the
 body is read) and takes a bounded body (413 past it). Every body is checked against its route's
@@ -34,7 +38,7 @@ from fastapi import APIRouter
 
 from areal_npu.compat.vllm import features as vllm_version
 from areal_npu.placement.env import ENGINE_CPUS_ENV
-from areal_npu.rollout import generation_routes, guard, spec_routes, weight_routes
+from areal_npu.rollout import generation_routes, guard, raw_sampling, spec_routes, weight_routes
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.engine_state import EngineState
 from areal_npu.rollout.parent_watch import die_with_parent
@@ -114,6 +118,9 @@ async def serve(cfg: RolloutConfig, port: int, secret: str) -> None:
             app = vllm_api.build_app(args, supported, engine.model_config)
             await vllm_api.init_app_state(engine, app.state, args, supported)
             app.include_router(make_router(EngineState(engine, cfg)))
+            why = raw_sampling.why_raw(cfg)
+            if why is not None:  # vLLM's routes, asked for log-probs of a transformed distribution: 400
+                raw_sampling.install(app, why, engine.model_config.get_diff_sampling_param())
             # outermost: the secret and body limits before any of vLLM's middleware or routes
             limits = guard.body_limits(cfg.weight_bucket_bytes, cfg.max_model_len, cfg.model)
             guard.install(app, secret, limits)

@@ -1,5 +1,6 @@
 """``/areal`` routes of speculative decoding: ``POST /areal/spec_k`` sets the draft length from the
-next scheduler step on (engines started with ``spec.adaptive``; 0 = no drafts), through the control
+next scheduler step on (engines started with ``spec.adaptive``; 0 = no drafts; ``by_context``: one per
+context bucket, each step taking its batch's dominant bucket's), through the control
 file of :mod:`areal_npu.speculation.k_driver`; ``GET /areal/metrics`` answers the engine's cumulative
 acceptance counters (:class:`areal_npu.speculation.acceptance.SpecCounters`) as JSON, on every vLLM
 version (per-request summaries exist only where vLLM has them)."""
@@ -22,10 +23,10 @@ def add_routes(router: APIRouter, state: EngineState) -> None:
         if not state.cfg.spec.adaptive or state.spec_k_file is None:
             raise HTTPException(status_code=400, detail="this engine was not started with spec.adaptive")
         body = await read_body(request, request_body.spec_k_fields(state.cfg.spec.num_speculative_tokens))
-        k = body["k"]
-        k_driver.write_k(state.spec_k_file, k)
+        k, by_context = body["k"], body["by_context"]
+        k_driver.write_k(state.spec_k_file, k, by_context)
         state.spec_k = k
-        return {"k": k}
+        return {"k": k} | ({"by_context": by_context} if by_context is not None else {})
 
     @router.get("/metrics")
     async def metrics():

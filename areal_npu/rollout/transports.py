@@ -4,7 +4,9 @@ that retries.
 A transport's ``update(named_tensors, version, sync_draft=, engines=)`` sends one versioned update of
 the policy and (unless the MTP head is frozen) the drafter's ``mtp.*`` tensors, and returns once it
 committed on every engine asked, or raises ``WeightSyncError`` naming the engines it did not commit
-on (the others serve ``version``).
+on (the others serve ``version``). It iterates ``named_tensors`` once, bucket by bucket, and sends
+each bucket before it draws the next: given the trainer's export (a
+:class:`.weight_stream.WeightStream`), no whole copy of the weights exists anywhere on the way.
 
 * ``rpc`` (CPU, and the fallback anywhere): size-bounded safetensors buckets over HTTP, staged by
   each engine while it keeps generating and applied at the commit (``RolloutClient.update_weights``).
@@ -34,10 +36,9 @@ from typing import Any, Protocol
 
 import torch
 
-from areal_npu.data.buckets import iter_buckets
 from areal_npu.rollout import collective
-from areal_npu.rollout.buckets import split_policy_and_draft
 from areal_npu.rollout.client import EngineFailure, WeightSyncError
+from areal_npu.rollout.weight_stream import iter_target_buckets, streaming
 
 #: transports the training loop drives
 WIRED = ("rpc", *collective.TRANSPORT_BACKEND)
@@ -61,7 +62,7 @@ class WeightTransport(Protocol):
 
     async def update(
         self,
-        named_tensors: list[tuple[str, torch.Tensor]],
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int,
         *,
         sync_draft: bool = True,
@@ -139,15 +140,15 @@ class BroadcastTransport:
             return result | {"transport": f"{self.name} (rpc fallback for engines {order})"}
         start = time.perf_counter()
         await self._ensure_group(version)
-        policy, draft = split_policy_and_draft(named_tensors)
-        targets = [("policy", policy), ("draft", draft if sync_draft else [])]
-        expect = {target: len(tensors) for target, tensors in targets if tensors}
-        await self._on_all(version, "/areal/update_weights/begin", {})
+        expect: dict[str, int] = {}
         buckets = 0
-        for target, tensors in targets:
-            for bucket in iter_buckets(tensors, self.client.bucket_bytes):
+        with streaming(named_tensors) as pairs:  # drawn only once the group stands: a failure drains it
+            await self._on_all(version, "/areal/update_weights/begin", {})
+            for target, bucket in iter_target_buckets(pairs, self.client.bucket_bytes, sync_draft):
+                expect[target] = expect.get(target, 0) + len(bucket)
                 await self._broadcast(version, target, bucket)
                 buckets += 1
+                del bucket  # not alive while the next one is drawn
         answers = await self._gather("/areal/update_weights/commit", {"version": version, "expect": expect})
         failed = {i: f"commit: {a}" for i, a in answers.items() if isinstance(a, BaseException)}
         if failed:
@@ -271,7 +272,7 @@ class WeightSync:
         self.transport = transport
         self.client = client
         self.retries = retries
-        self.current: tuple[list, int, bool] | None = None  # the last weights every engine committed
+        self.current: tuple[Iterable, int, bool] | None = None  # the last weights every engine committed
         self._lock = asyncio.Lock()
         self._pushes = 0  # pushes waiting for or holding the lock
 
@@ -284,8 +285,11 @@ class WeightSync:
         generation = getattr(self.client, "generation", None)
         return None if generation is None else list(generation)
 
-    async def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, *, sync_draft: bool = True) -> dict:
-        """``named_tensors`` (a list: every try sends it again) as ``version`` to every engine. After
+    async def push(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, sync_draft: bool = True
+    ) -> dict:
+        """``named_tensors`` (re-iterable: every try iterates it again; a ``WeightStream`` exports the
+        trainer's weights again, a list is sent again) as ``version`` to every engine. After
         a failed try, the failed engines that are down are restarted (the client's restart, without
         its own re-sync), and the failed engines -- restarted or not -- get the whole update again,
         as do engines restarted after they committed. Raises :class:`WeightSyncFailed` after

@@ -42,6 +42,18 @@ ROLLOUT_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: The oldest vLLM whose processed log-probs (temperature, top-k, top-p applied: the distribution it
+#: samples from) are checked against transformers (tests/rollout/test_engine.py); 0.23, the images',
+#: is not checked, so its engines return raw log-probs and a recipe keeps temperature 1 there.
+PROCESSED_LOGPROBS_SINCE = (0, 32, 0)
+
+
+def processed_logprobs_checked() -> bool:
+    """Whether the installed vLLM's processed log-probs are checked (False without vLLM)."""
+    version = vllm_version.installed_version()
+    return version is not None and vllm_version.parse_version(version) >= PROCESSED_LOGPROBS_SINCE
+
+
 def require(name: str, option: str, why: str) -> None:
     """Refuse ``option`` (a config key) when the installed vLLM lacks feature ``name``.
 

@@ -4,13 +4,18 @@ at all.
 * RPC buckets (``bucket``: safetensors bodies) are *staged* in the engine process while it keeps
   generating with the weights it has; ``commit`` (with the tensor counts the trainer sent) checks
   that every bucket arrived, then pauses, loads them all through ``collective_rpc``
-  (``worker_ext.py``), sets the new version and resumes. A session that is abandoned (``abort``, a
-  new ``begin``, a missing bucket) leaves the engine exactly as it was.
+  (``worker_ext.py``), resets the prefix cache, sets the new version and resumes. A session that is
+  abandoned (``abort``, a new ``begin``, a missing bucket) leaves the engine exactly as it was.
 * The broadcast (``collective/init``, ``collective/bucket``; ``collective.py``: hccl / nccl / gloo)
   loads each bucket straight into the model, so generation is paused from the first such bucket to
   the commit. If such a session fails the engine holds partly loaded weights (``EngineState.dirty``):
   it stays paused, refuses ``resume`` and new generations, until a complete update commits or it
   is restarted -- never serving a version it got part of.
+
+Both paths end in the same ``commit``: with ``rollout.enable_prefix_caching`` it resets vLLM's prefix
+cache after the last tensor (policy and drafter) is loaded and before generation resumes
+(``EngineState.drop_stale_kv``), so no prefix cached under version v is served at v+1. A reset vLLM
+does not confirm fails the commit like a failed load: the engine stays paused until a whole update.
 """
 
 from __future__ import annotations
@@ -85,8 +90,10 @@ def add_routes(router: APIRouter, state: EngineState) -> None:
                     await state.switch_target(target)
                     await state.rpc("areal_load_bucket", target, payload)
                 await state.switch_target(None)
+                await state.drop_stale_kv()  # loaded and still paused: no KV of the old weights survives
             except Exception as exc:
-                # weights are half-loaded: stay paused; the caller re-sends everything or restarts us
+                # weights half-loaded, or loaded over a stale cache: stay paused; the caller re-sends
+                # everything (whose commit resets again) or restarts us
                 await state.abandon(f"applying the update failed: {type(exc).__name__}: {exc}")
                 raise HTTPException(status_code=500, detail=f"weight update failed: {state.dirty}") from exc
             state.session = None

@@ -10,6 +10,9 @@
 * ``adaptive``   -- the trainer-side driver: one step's metrics in, the engines' draft length out
 * ``k_driver``   -- the engine side: a control file the server writes and vLLM's scheduler reads
 * ``acceptance`` -- acceptance metrics as per-step deltas of the engines' counters
+* ``context``    -- the context-length buckets (edges in one place) and acceptance per bucket and
+  draft position, from the samples' per-request statistics
+* ``context_k``  -- context-aware draft length: one k per bucket on the cost model (``adapt.by_context``)
 
 Speculation sits below rollout: it imports nothing of :mod:`areal_npu.rollout`; what depends on the
 device or the installed vLLM is checked by ``RolloutConfig.validate``. The vLLM patches speculation

@@ -61,7 +61,9 @@ def resolve_adapt(adapt: dict[str, Any], k_max: int) -> SpecAdaptConfig:
 class SpecConfig:
     """Speculative decoding. ``method=None`` (or ``num_speculative_tokens=0``) switches it off."""
 
-    method: str | None = None  # one of SPEC_METHODS
+    # null (off) | mtp (the model's own MTP head; vLLM's per-family names qwen3_5_mtp, qwen3_next_mtp,
+    # deepseek_mtp, ... are accepted too) | draft_model | eagle | eagle3 (a drafter at draft_model) | ngram
+    method: str | None = None
     num_speculative_tokens: int = 0  # k drafts per verify step
     draft_model: str | None = None  # path, for draft_model / eagle / eagle3
     draft_enforce_eager: bool = True  # no graph capture for the drafter
@@ -111,6 +113,10 @@ class SpecConfig:
             raise ValueError(f"mtp_draft_dir is only used by MTP methods; method is {self.method!r}")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be in [1, prompt_lookup_max]")
+        default = SpecConfig()
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):  # nothing accepted and ignored
+            if self.method != "ngram" and getattr(self, key) != getattr(default, key):
+                raise ConfigError(key, f"is read by method ngram only; method is {self.method!r}")
         self._adapt_settings = None
         if self.adaptive:
             if not self.enabled:
@@ -123,6 +129,12 @@ class SpecConfig:
             self._adapt_settings = resolve_adapt(self.adapt, self.num_speculative_tokens)
         elif self.adapt:
             raise ConfigError("adapt", "is only read when adaptive is true")
+        if self.off_keeps_drafter_kv and not self.adaptive:
+            raise ConfigError("off_keeps_drafter_kv", "is only read when adaptive is true")
+        for key in ("num_speculative_tokens", "draft_enforce_eager"):  # speculation off: nothing reads them
+            if self.method is None and getattr(self, key) != getattr(default, key):
+                raise ConfigError(key, "is read only with a spec.method (speculation is off): set it back to "
+                                  f"{getattr(default, key)} too")  # fmt: skip
 
     @property
     def adapt_settings(self) -> SpecAdaptConfig:

@@ -15,13 +15,17 @@ Tokens per second and generation speed-up follow from the expected accepted leng
 
     tokens/s(b, k) = b · E[L_k] / t(b, k)        a(b, k) = E[L_k] · t(b, 0) / t(b, k)
 
+Over a mix of context buckets (shares ``w_b`` of the generated tokens, acceptance per bucket:
+``rollout/spec_ctx_*``) one k gives ``E_mix[L_k] = 1 / Σ_b w_b / E_b[L_k]`` and one k per bucket
+the generation speed-up ``1 / Σ_b w_b · (t(b, k_b) / t(b, 0)) / E_b[L_{k_b}]`` (:func:`context_sweep`).
+
 The parameters are fitted by least squares to measured step times ``t = b · E[L_k] / tokens/s``; a
 coefficient the data cannot identify (one batch size, one draft length) is left out of the fit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -164,22 +168,79 @@ def sweep(
 
     ``a(k) = E[L_k]·t(b,0)/t(b,k)``; ``T_gen(k) = T_gen/a(k)``; ``S_step(k) = 1/(R_gen/a(k) + 1 - R_gen)``.
     """
-    r_gen = t_gen_ar / t_step_ar
-    out = []
+    lengths = {kk: expected_accepted_length(conditional_accept, kk) if kk else 1.0 for kk in ks}
+    return [
+        _row(t_gen_ar, t_step_ar, kk, length, cost.gen_speedup(batch, kk, length))
+        for kk, length in lengths.items()
+    ]
+
+
+def _row(t_gen_ar: float, t_step_ar: float, k: int, length: float, a: float) -> SweepRow:
+    t_step = speculative_step_time(t_step_ar, t_gen_ar, a)
+    return SweepRow(k, length, a, t_gen_ar / a, t_step, step_speedup(t_gen_ar / t_step_ar, a))
+
+
+def mixed_accepted_length(
+    accept_by_bucket: Mapping[str, Sequence[float]], mix: Mapping[str, float], k: int
+) -> float:
+    """Tokens per verify step over a mix of context buckets at one k: ``1 / Σ_b w_b / E_b[L_k]``
+    (``w_b``: the bucket's share of the generated tokens, which take ``w_b / E_b[L_k]`` of the verify
+    steps; ``accept_by_bucket``: conditional acceptance per position)."""
+    shares = _shares(accept_by_bucket, mix)
+    if k == 0:
+        return 1.0
+    return 1.0 / sum(w / expected_accepted_length(accept_by_bucket[b], k) for b, w in shares.items())
+
+
+def _shares(accept_by_bucket: Mapping[str, Sequence[float]], mix: Mapping[str, float]) -> dict[str, float]:
+    total = sum(mix.values())
+    if total <= 0 or any(w < 0 for w in mix.values()):
+        raise ValueError(f"context_mix: shares must be ≥ 0 with a positive sum, got {dict(mix)}")
+    missing = sorted(b for b, w in mix.items() if w > 0 and b not in accept_by_bucket)
+    if missing:
+        raise ValueError(f"accept_by_context: no acceptance for the buckets {missing} of the context mix")
+    return {b: w / total for b, w in mix.items() if w > 0}
+
+
+@dataclass(frozen=True)
+class ContextSweep:
+    rows: list[SweepRow]  # one k for the whole mix, k by k
+    k_by_bucket: dict[str, int]  # one k per bucket (each bucket's own recommend_k) ...
+    aware: SweepRow  # ... and the step it gives (k: the token-weighted mean k, rounded)
+
+
+def context_sweep(
+    t_gen_ar: float,
+    t_step_ar: float,
+    accept_by_bucket: Mapping[str, Sequence[float]],
+    mix: Mapping[str, float],
+    cost: CostModel,
+    batch: float = 1.0,
+    ks: Iterable[int] = range(9),
+    min_gain: float = 0.02,
+) -> ContextSweep:
+    """:func:`sweep` over a mix of context buckets: one k for all (:func:`mixed_accepted_length`), and
+    one k per bucket, whose generation time is ``Σ_b w_b · t(b, k_b) / (t(b, 0) · E_b[L_{k_b}])`` of the
+    autoregressive one."""
+    shares, ks = _shares(accept_by_bucket, mix), list(ks)
+    rows = []
     for kk in ks:
-        length = expected_accepted_length(conditional_accept, kk) if kk else 1.0
-        a = cost.gen_speedup(batch, kk, length)
-        out.append(
-            SweepRow(
-                k=kk,
-                accepted_len=length,
-                gen_speedup=a,
-                t_gen=t_gen_ar / a,
-                t_step=speculative_step_time(t_step_ar, t_gen_ar, a),
-                step_speedup=step_speedup(r_gen, a),
-            )
-        )
-    return out
+        length = mixed_accepted_length(accept_by_bucket, mix, kk)
+        rows.append(_row(t_gen_ar, t_step_ar, kk, length, cost.gen_speedup(batch, kk, length)))
+    chosen = {
+        b: recommend_k(sweep(t_gen_ar, t_step_ar, accept_by_bucket[b], cost, batch, ks), min_gain)
+        for b in shares
+    }
+
+    def length(b: str) -> float:
+        return expected_accepted_length(accept_by_bucket[b], chosen[b]) if chosen[b] else 1.0
+
+    rel = sum(
+        w * cost.step_time(batch, chosen[b]) / cost.ar_step_time(batch) / length(b) for b, w in shares.items()
+    )
+    mean_k = round(sum(w * chosen[b] for b, w in shares.items()))
+    mixed = 1.0 / sum(w / length(b) for b, w in shares.items())
+    return ContextSweep(rows, chosen, _row(t_gen_ar, t_step_ar, mean_k, mixed, 1.0 / rel))
 
 
 def recommend_k(rows: Sequence[SweepRow], min_gain: float = 0.02) -> int:

@@ -17,6 +17,11 @@ our HTTP routes cannot reach, so:
 * the engine process creates the file before vLLM starts (:func:`control_file`), and its
   ``POST /areal/spec_k`` (``rollout/spec_routes.py``) writes it atomically (``write_k``).
 
+With ``spec.adapt.by_context`` the file holds one K per context bucket after the default K
+(``write_k(path, k, by_context)``); before each step the scheduler takes the K of the bucket that
+holds most of its running requests' contexts, the waiting ones' when none runs (:func:`batch_k`: vLLM
+drafts one K per step for the whole batch, no per-request K).
+
 Changing K changes only speed: every K verifies with the same rejection sampler, so the sampled
 distribution is the target's at any K (tests: greedy outputs equal transformers' at every K and
 across switches mid-generation; sampled tokens pass a chi-square test against the exact law).
@@ -28,8 +33,11 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from areal_npu.speculation.context import context_bucket
 
 ENV_FILE = "AREAL_SPEC_K_FILE"
 BATCH_RANGE_END = 1 << 20  # "every batch size": vLLM clips the table at max_num_seqs
@@ -40,12 +48,23 @@ def dynamic_table(k: int) -> list[list[int]]:
     return [[1, BATCH_RANGE_END, int(k)]]
 
 
-def write_k(path: str | Path, k: int) -> None:
-    """Atomically publish a new draft length (tmp file + rename: a reader never sees half a line)."""
+def write_k(path: str | Path, k: int, by_context: Sequence[int] | None = None) -> None:
+    """Atomically publish a new draft length (tmp file + rename: a reader never sees half a line);
+    with ``by_context``, one k per context bucket (``k`` then serves a batch with nothing running)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{int(k)}\n")
+    tmp.write_text(" ".join(str(int(v)) for v in (k, *(by_context or ()))) + "\n")
     os.replace(tmp, path)
+
+
+def batch_k(contexts: Sequence[int], table: Sequence[int], default: int) -> int:
+    """The k of one scheduler step from the per-bucket ``table``: the k of the bucket holding most of the
+    running requests' contexts (tied buckets: the smallest k); ``default`` with nothing running."""
+    if not contexts:
+        return default
+    counts = Counter(context_bucket(c) for c in contexts)
+    top = max(counts.values())
+    return min(table[min(b, len(table) - 1)] for b, n in counts.items() if n == top)
 
 
 @contextlib.contextmanager
@@ -69,12 +88,20 @@ def control_file(k: int, keep_drafter_kv: bool) -> Iterator[Path]:
         shutil.rmtree(control.parent, ignore_errors=True)
 
 
-def read_k(path: str | Path) -> int | None:
+def read_line(path: str | Path) -> tuple[int, list[int]] | None:
+    """``(k, per-bucket table)`` (an empty table: one k for every batch), or None when unreadable."""
     try:
-        text = Path(path).read_text().strip()
+        parts = Path(path).read_text().split()
     except OSError:
         return None
-    return int(text) if text.lstrip("-").isdigit() else None
+    if not parts or not all(p.lstrip("-").isdigit() for p in parts):
+        return None
+    return int(parts[0]), [int(p) for p in parts[1:]]
+
+
+def read_k(path: str | Path) -> int | None:
+    line = read_line(path)
+    return None if line is None else line[0]
 
 
 class _RuntimeK:
@@ -82,21 +109,35 @@ class _RuntimeK:
 
     def _areal_init_runtime_k(self) -> None:
         self._areal_k_file = os.environ.get(ENV_FILE)
-        self._areal_k_read: int | None = None
+        self._areal_k_read: tuple[int, list[int]] | None = None
+        self._areal_table: list[int] = []
+        self._areal_applied: int | None = None  # the k this mixin last put in vLLM's table
         self.areal_spec_k = self.num_spec_tokens
         self.areal_last_k: int | None = None
+
+    def _areal_set_k(self, k: int) -> None:
+        k = max(0, min(k, self.num_spec_tokens))
+        if k != self._areal_applied:
+            self._areal_applied = k
+            # index = number of requests scheduled this step (index 0 unused by vLLM)
+            self.dynamic_sd_lookup = [k] * (self.scheduler_config.max_num_seqs + 1)
+            self.areal_spec_k = k
 
     def _areal_poll_k(self) -> None:
         if not self._areal_k_file:
             return
-        k = read_k(self._areal_k_file)
-        if k is None or k == self._areal_k_read:
-            return
-        self._areal_k_read = k
-        k = max(0, min(k, self.num_spec_tokens))
-        # index = number of requests scheduled this step (index 0 unused by vLLM)
-        self.dynamic_sd_lookup = [k] * (self.scheduler_config.max_num_seqs + 1)
-        self.areal_spec_k = k
+        line = read_line(self._areal_k_file)
+        if line is not None and line != self._areal_k_read:
+            self._areal_k_read = line
+            self._areal_table = line[1]
+            if not self._areal_table:
+                self._areal_set_k(line[0])
+        if self._areal_table and self._areal_k_read is not None:
+            # per context bucket: the dominant bucket of the batch vLLM is about to extend (the waiting
+            # requests' when none runs yet: the step that prefills them drafts their first k)
+            batch = list(getattr(self, "running", ())) or list(getattr(self, "waiting", ()))
+            contexts = [r.num_tokens for r in batch]
+            self._areal_set_k(batch_k(contexts, self._areal_table, self._areal_k_read[0]))
 
     def schedule(self, *args, **kwargs):
         self._areal_poll_k()

@@ -38,7 +38,11 @@ from areal_npu import names
 
 
 def step_time(phases: Mapping[str, float]) -> float:
-    """``T_step = Σ_phase T_phase`` over :data:`~areal_npu.names.PHASES` given (missing phases count 0)."""
+    """``T_step = Σ_phase T_phase`` over :data:`~areal_npu.names.PHASES` given (missing phases count 0);
+    a name that is not a phase raises (NeMo-RL's ``logprob`` is ``prox`` here), rather than counting 0."""
+    unknown = sorted(set(phases) - set(names.PHASES))
+    if unknown:
+        raise ValueError(f"phases: {unknown} are not phases; the phases are {', '.join(names.PHASES)}")
     return float(sum(float(phases.get(p, 0.0)) for p in names.PHASES))
 
 

@@ -45,6 +45,11 @@ class SpecAdaptConfig:
     baseline_every: int = 50  # steps a k = 0 measurement stays valid
     reprobe_every: int = 20  # steps with speculation off before it is probed again
     reprobe_max: int = 160  # the wait doubles, up to this, while probes keep failing
+    # One k per context bucket (<4K, 4-16K, 16-32K, 32-64K, 64K+; areal_npu/speculation/context_k.py):
+    # chosen from each bucket's acceptance and draft_cost, applied per batch from its dominant bucket.
+    # Needs per-request acceptance from the engines (vLLM 0.32 and later).
+    by_context: bool = False
+    draft_cost: float = 0.1  # by_context only: one draft position (drafting + verifying it), in decode steps
 
     def __post_init__(self):
         # the one place k_init is defaulted: two drafts, or fewer where the engine drafts fewer
@@ -80,10 +85,24 @@ class SpecAdaptConfig:
         for name in ("min_gain", "switch_margin"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be ≥ 0, got {getattr(self, name)}")
+        if self.draft_cost < 0:
+            raise ValueError(f"draft_cost: must be ≥ 0, got {self.draft_cost}")
+        if not self.by_context and self.draft_cost != SpecAdaptConfig.draft_cost:
+            raise ValueError("draft_cost: is only read when by_context is true")
+        for name in HILL_CLIMBING_ONLY if self.by_context else ():  # nothing accepted and ignored
+            if getattr(self, name) != getattr(SpecAdaptConfig, name):
+                raise ValueError(f"{name}: is not read with by_context (one k per bucket on the cost model)")
         for name in ("off_accept", "deep_accept_floor"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name}: must lie in [0, 1], got {getattr(self, name)}")
         return self
+
+
+#: Settings of the throughput hill climbing that the context-aware policy (``by_context``) does not read.
+HILL_CLIMBING_ONLY = (
+    "accept_window", "switch_margin", "off_accept", "deep_accept_floor", "explore_every", "explore_max",
+    "reprobe_max",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

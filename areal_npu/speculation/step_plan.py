@@ -12,7 +12,8 @@ Two sources of numbers:
   ``rollout/spec_draft_tokens / rollout/spec_drafts``) and acceptance (``rollout/spec_accept_per_pos``
   or the scalars ``rollout/spec_accept_rate_pos<i>`` that :func:`areal_npu.speculation.acceptance.spec_stats`
   writes, else ``rollout/spec_mean_accepted_len``, else ``rollout/spec_accept_rate``) — see
-  :mod:`areal_npu.speculation.planner`;
+  :mod:`areal_npu.speculation.planner`. A run that cannot calibrate the draft cost (one draft length,
+  or no ``rollout/batch_size``: the quickstart's) takes :func:`default_draft_cost` and says so;
 * numbers on the command line: autoregressive ``--t-gen``/``--t-step`` (or the phases), a measured
   ``--gen-speedup`` (or ``--t-gen-spec``) at ``--k``, ``--accept`` and/or ``--draft-cost``.
 
@@ -57,6 +58,16 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
         help="one draft position (drafting + verifying it) in units of one autoregressive decode step",
     )
     p.add_argument("--batch", type=float, help="running batch to evaluate the cost model at (run dir)")
+    p.add_argument(
+        "--accept-by-context",
+        help="conditional acceptance per context bucket: 'lt4k=0.9,0.8;32k_64k=0.5' (buckets of "
+        "areal_npu/speculation/context.py; a run dir's rollout/spec_ctx_* otherwise)",
+    )
+    p.add_argument(
+        "--context-mix",
+        help="share of the generated tokens per context bucket: 'lt4k=0.2;4k_16k=0.5;16k_32k=0.3' "
+        "(a run dir's token counts per bucket otherwise)",
+    )
     p.add_argument("--max-k", type=int, default=DEFAULT_MAX_K, help=f"sweep k = 0..MAX_K (default {DEFAULT_MAX_K})")
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN, help="speculate only if the step gains this much")
 
@@ -80,6 +91,10 @@ class Plan:
     batch: float = 1.0
     sweep: list[dict[str, float]] = field(default_factory=list)
     recommended_k: int | None = None
+    accept_by_context: dict[str, list[float]] | None = None  # conditional acceptance per bucket
+    context_mix: dict[str, float] | None = None  # share of generated tokens per bucket
+    context_k: dict[str, int] | None = None  # one k per bucket (spec.adapt.by_context) ...
+    context_row: dict[str, float] | None = None  # ... and the step it gives
     notes: list[str] = field(default_factory=list)
     source: str = "command line"
 
@@ -94,6 +109,45 @@ def _parse_accept(text: str | None) -> list[float] | None:
     if not values or any(not 0 <= v <= 1 for v in values):
         raise ValueError(f"--accept: probabilities must lie in [0, 1], got {text!r}")
     return values
+
+
+def _parse_buckets(text: str | None, option: str, probs: bool) -> dict | None:
+    """``'lt4k=0.9,0.8;32k_64k=0.5'`` -> {bucket: [values]} (``probs``) or {bucket: value}."""
+    if text is None:
+        return None
+    from areal_npu.speculation.context import BUCKET_LABELS
+
+    out = {}
+    for part in filter(None, text.replace(" ", "").split(";")):
+        label, _, values = part.partition("=")
+        if label not in BUCKET_LABELS:
+            raise ValueError(
+                f"{option}: unknown context bucket {label!r}; buckets: {', '.join(BUCKET_LABELS)}"
+            )
+        if probs:
+            out[label] = _parse_accept(values)
+        else:
+            try:
+                out[label] = float(values)
+            except ValueError as exc:
+                raise ValueError(f"{option}: expected bucket=share, got {part!r}") from exc
+    return out or None
+
+
+def _context_from_run(lines: list[dict]) -> tuple[dict | None, dict | None]:
+    """Conditional acceptance per bucket and the token mix, from a run's ``rollout/spec_ctx_*``."""
+    from areal_npu.speculation.context import pooled_by_bucket, token_mix
+    from areal_npu.speculation.planner import conditional_from_unconditional
+
+    pooled = pooled_by_bucket(lines)
+    accept = {}
+    for label, stats in pooled.items():
+        u = []
+        while f"accept_rate_pos{len(u)}" in stats:
+            u.append(min(max(stats[f"accept_rate_pos{len(u)}"], 0.0), 1.0))
+        if u:
+            accept[label] = conditional_from_unconditional(u)
+    return accept or None, token_mix(pooled) or None
 
 
 def _per_pos(line: dict) -> list[float] | None:
@@ -136,7 +190,23 @@ def _finish(plan: Plan, accept, cost, args) -> Plan:
     if plan.measured_gen_speedup is not None:
         plan.bound_at_measured = step_speedup(plan.gen_fraction, plan.measured_gen_speedup)
     plan.accept = accept
-    if cost is not None and accept is not None:
+    given = _parse_buckets(getattr(args, "accept_by_context", None), "--accept-by-context", probs=True)
+    by_ctx = given or plan.accept_by_context
+    mix = _parse_buckets(getattr(args, "context_mix", None), "--context-mix", probs=False) or plan.context_mix
+    plan.accept_by_context, plan.context_mix = by_ctx, mix
+    if cost is not None and by_ctx and mix:
+        from areal_npu.speculation.cost import context_sweep
+
+        swept = context_sweep(
+            plan.t_gen_ar, plan.t_step_ar, by_ctx, mix, cost, plan.batch, range(args.max_k + 1), args.min_gain
+        )
+        plan.cost = cost.to_dict()
+        plan.sweep = [asdict(r) for r in swept.rows]
+        plan.recommended_k = recommend_k(swept.rows, args.min_gain)
+        plan.context_k, plan.context_row = swept.k_by_bucket, asdict(swept.aware)
+        plan.notes.append("acceptance per context bucket, weighted by the context mix (one k: "
+                          "E[L] = 1 / Σ w_b / E_b[L]); the context-aware line is one k per bucket")  # fmt: skip
+    elif cost is not None and accept is not None:
         rows = sweep(plan.t_gen_ar, plan.t_step_ar, accept, cost, plan.batch, range(args.max_k + 1))
         plan.cost = cost.to_dict()
         plan.sweep = [asdict(r) for r in rows]
@@ -202,6 +272,7 @@ def plan_from_run(args) -> Plan:
     from areal_npu.speculation.cost import StepSample, calibrate, relative_cost_model
 
     lines = read_metrics(args.run_dir)
+    notes: list[str] = []
     phases = {}
     for p in names.PHASES + names.SIDE_PHASES:  # every phase a run logs; side phases are only shown
         values = [float(x[names.timing_key(p)]) for x in lines if names.timing_key(p) in x]
@@ -210,15 +281,14 @@ def plan_from_run(args) -> Plan:
     if "gen" not in phases:
         raise ValueError(f"run_dir: no {names.timing_key('gen')} in metrics.jsonl")
     samples, spec_lines = [], []
-    for x in lines:
+    for x in lines:  # every step whose draft length and accepted length are known
         k = _spec_k(x)
-        if k is None or not all(key in x for key in (names.BATCH_SIZE, names.TOKENS_PER_S)):
-            continue
-        length = _accepted_len(x, k)
+        length = None if k is None else _accepted_len(x, k)
         if length is None:
             continue
-        samples.append(StepSample.from_throughput(x[names.BATCH_SIZE], k, length, x[names.TOKENS_PER_S]))
         spec_lines.append((x, k, length))
+        if all(key in x for key in (names.BATCH_SIZE, names.TOKENS_PER_S)):  # and its throughput
+            samples.append(StepSample.from_throughput(x[names.BATCH_SIZE], k, length, x[names.TOKENS_PER_S]))
     accept = _parse_accept(args.accept)
     if accept is None:
         per_pos = [u for u in (_per_pos(x) for x, k, _ in spec_lines if k) if u]
@@ -230,10 +300,18 @@ def plan_from_run(args) -> Plan:
         elif rates:
             k_mode = statistics.mode(k for _, k in rates)
             accept = [pl.iid_accept_from_rate(statistics.fmean(r for r, k in rates if k == k_mode), k_mode)]
+    draft_cost = args.draft_cost
+    one_k = len({s.k for s in samples}) < 2
+    speculated = any(_spec_k(x) for x in lines)
+    if draft_cost is None and (speculated and (not samples or one_k)):
+        # the throughput cannot separate drafting from decoding: take the model's own ratio, say so
+        draft_cost, why = default_draft_cost(args.run_dir)
+        notes.append(f"draft cost {draft_cost:.3g} autoregressive steps per draft position ({why}); "
+                     "--draft-cost overrides it")  # fmt: skip
     if samples:
-        cost = calibrate(samples, args.draft_cost)
-    elif args.draft_cost is not None:
-        cost = relative_cost_model(args.draft_cost)
+        cost = calibrate(samples, draft_cost)
+    elif draft_cost is not None:
+        cost = relative_cost_model(draft_cost)
     else:
         cost = None
     batch = args.batch or (statistics.median(s.batch for s in samples) if samples else 1.0)
@@ -258,14 +336,43 @@ def plan_from_run(args) -> Plan:
     r_gen = pl.gen_fraction(t_gen_ar, t_step_ar)
     plan = Plan(phases, t_gen_ar, t_step_ar, r_gen, pl.step_speedup_ceiling(r_gen), batch=batch)
     plan.source = str(args.run_dir)
+    plan.notes += notes
     if names.STEP_TIME in lines[0]:
         plan.phases["step"] = statistics.median(float(x[names.STEP_TIME]) for x in lines if names.STEP_TIME in x)
+    plan.accept_by_context, plan.context_mix = _context_from_run(lines)
     ks = [k for _, k, _ in spec_lines if k]
     if ks and cost is not None:
         plan.measured_k = statistics.mode(ks)
         lengths = [length for _, k, length in spec_lines if k == plan.measured_k]
         plan.measured_gen_speedup = cost.gen_speedup(batch, plan.measured_k, statistics.fmean(lengths))
     return _finish(plan, accept, cost, args)
+
+
+def default_draft_cost(run_dir) -> tuple[float, str]:
+    """The relative draft cost when a run cannot calibrate one (no ``rollout/batch_size``, or one
+    draft length): MTP layers / model layers, as ``scripts/bench_rollout.py`` models it, read from the
+    run's ``config.yaml`` (``model.tiny``, else ``model.path``'s ``config.json``); else 0 (drafts taken
+    as free, so every speed-up is an upper bound). Returns (cost, where it came from)."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(run_dir)
+    root = root.parent if root.is_file() else root
+    try:
+        model = (yaml.safe_load((root / "config.yaml").read_text()) or {}).get("model") or {}
+        hf = model.get("tiny") or {}
+        if not hf and model.get("path"):
+            hf = json.loads((Path(model["path"]) / "config.json").read_text())
+            hf = hf.get("text_config", hf) if "num_hidden_layers" not in hf else hf
+        layers = hf.get("num_hidden_layers")
+        mtp = hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers")
+        if layers and mtp:
+            return mtp / layers, f"{mtp} MTP / {layers} model layers from the run's config"
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        pass  # no readable config: the free-draft bound below
+    return 0.0, "the run's config names no MTP and model layer counts: drafts taken as free, an upper bound"
 
 
 def render(plan: Plan) -> None:
@@ -309,6 +416,12 @@ def render(plan: Plan) -> None:
     if plan.recommended_k is not None:
         console.print(
             f"recommended k = {plan.recommended_k}" + (" (speculation off)" if not plan.recommended_k else "")
+        )
+    if plan.context_k is not None:
+        per = ", ".join(f"{b}: {k}" for b, k in plan.context_k.items())
+        console.print(
+            f"context-aware k ({per}): rollout {plan.context_row['gen_speedup']:.3f}×, "
+            f"step {plan.context_row['step_speedup']:.3f}× (rollout.spec.adapt.by_context)"
         )
     for note in plan.notes:
         console.print(f"note: {note}")

@@ -10,4 +10,5 @@ tests run against an installed copy.
 * ``sft``       -- a standalone SFT loop for a policy and its MTP head on packed micro-batches
 * ``dense``     -- a tiny dense Qwen3 with perturbed norms (the Megatron engine tests, bench_engines)
 * ``memory``    -- resident-memory readings from /proc (the benchmarks' peak-RSS columns)
+* ``netns``     -- two network namespaces joined by a veth: two "nodes" on one machine (root)
 """

@@ -1,6 +1,7 @@
 """Independent oracles for the rollout engine, computed with transformers (no vLLM code involved).
 
-* :func:`sequence_logprobs` -- log p(token | prefix) of given completions (behaviour log-prob check).
+* :func:`sequence_logprobs` -- log p(token | prefix) of given completions, optionally at a temperature
+  and under top-k / top-p (behaviour log-prob check, the trainer's log-probs).
 * :func:`greedy` -- argmax continuation.
 * :func:`exact_joint` -- the exact distribution of the first ``m`` sampled tokens at temperature 1,
   enumerated over every prefix with probability above ``min_prob`` (the rest lumped together).
@@ -19,11 +20,37 @@ def load_model(model_dir):
 
 
 @torch.no_grad()
-def sequence_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+def sequence_logprobs(
+    model,
+    prompt: list[int],
+    completion: list[int],
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> torch.Tensor:
+    """log p(completion token | prefix) under the distribution sampled from: the logits divided by
+    ``temperature``, then only the ``top_k`` largest (0: all) and the smallest most-probable set
+    whose mass reaches ``top_p`` kept, renormalised."""
     ids = torch.tensor([prompt + completion])
-    logits = model(input_ids=ids).logits[0].double()
-    logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    logits = model(input_ids=ids).logits[0].double()[len(prompt) - 1 : -1] / temperature
+    logp = torch.log_softmax(sampled_filter(logits, top_p, top_k), dim=-1)
     return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def sampled_filter(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """``logits`` [N, V] with every token outside the top-k / top-p set at -inf: top-k keeps the
+    ``top_k`` largest; top-p then keeps, in descending order of probability, each token whose
+    predecessors' mass is still below ``top_p`` (so at least the most probable one)."""
+    out = logits.clone()
+    if top_k > 0:
+        kth = out.topk(top_k, dim=-1).values[:, -1:]
+        out[out < kth] = float("-inf")
+    if top_p < 1.0:
+        probs, order = torch.softmax(out, dim=-1).sort(dim=-1, descending=True)
+        before = probs.cumsum(dim=-1) - probs
+        drop = torch.zeros_like(out, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        out[drop] = float("-inf")
+    return out
 
 
 @torch.no_grad()

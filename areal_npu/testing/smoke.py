@@ -56,13 +56,15 @@ def generate(
     temperature: float = 0.0,
     num_speculative_tokens: int = 2,
     seed: int = 0,
+    drafter: dict | None = None,
 ) -> SmokeResult:
-    """Generate with vLLM (MTP speculation when ``num_speculative_tokens`` > 0); engine shut down after."""
+    """Generate with vLLM (MTP speculation when ``num_speculative_tokens`` > 0; ``drafter``: other
+    ``speculative_config`` keys, e.g. ``{"method": "eagle3", "model": path}``); engine shut down after."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     spec = (
-        {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
+        {"method": "mtp", **(drafter or {}), "num_speculative_tokens": num_speculative_tokens}
         if num_speculative_tokens
         else None
     )

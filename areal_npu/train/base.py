@@ -33,9 +33,9 @@ from areal_npu.train.stats import merge_stats, minibatch_train_step
 
 __all__ = ["EXPORT_KINDS", "TrainEngineBase", "check_export_kinds", "optimizer_stats", "refuse_non_finite"]
 
-#: What ``export_buckets`` may be asked for: the policy, the MTP head (vLLM loads the drafter apart),
-#: a published checkpoint's carried vision tower.
-EXPORT_KINDS = ("policy", "mtp", "vision")
+#: What ``export_buckets`` may be asked for: the policy, the MTP head or the EAGLE-3 drafter (vLLM
+#: loads a drafter apart; the FSDP2 engine trains EAGLE-3), a published checkpoint's carried vision tower.
+EXPORT_KINDS = ("policy", "mtp", "eagle3", "vision")
 
 #: ``mb_loss(mb, logp, entropy, aux=None, aux_stats=None) -> (total, (loss tokens, stats))``
 MicroBatchLoss = Callable[..., tuple[torch.Tensor, tuple[float, dict[str, float]]]]
@@ -44,7 +44,7 @@ MicroBatchLoss = Callable[..., tuple[torch.Tensor, tuple[float, dict[str, float]
 def check_export_kinds(kinds: Sequence[str]) -> None:
     unknown = sorted(set(kinds) - set(EXPORT_KINDS))
     if unknown:
-        raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp or vision")
+        raise ValueError(f"unknown export kinds {unknown}; expected policy, mtp, eagle3 or vision")
 
 
 def refuse_non_finite(norms: Sequence[float], step: int, zero_grad: Callable[[], None]) -> None:
@@ -95,7 +95,8 @@ class TrainEngineBase:
         raise NotImplementedError
 
     def _mtp_args(self, plan: list, mbs: list, samples: Sequence[TrainSample]) -> list[MTPArgs | None]:
-        """Per micro-batch the MTP head's loss arguments (``None``: the head does not train)."""
+        """Per micro-batch the MTP head's loss arguments (``None``: the head does not train); the
+        FSDP2 engine gives ``(MTP, EAGLE-3)`` pairs, handed back to its own :meth:`_accumulate`."""
         return [None] * len(mbs)
 
     def _accumulate(self, mbs: list, mtp_args: list, mb_loss: MicroBatchLoss) -> list[tuple[float, dict]]:

@@ -1,11 +1,12 @@
 """Atomic, resumable checkpoints of a train engine: the directory protocol both engines share.
 
-Layout of ``<root>/step_<N>/``: a Hugging Face checkpoint (``config.json``, ``model.safetensors``
-with the ``mtp.*`` weights, the tokenizer) that vLLM and transformers load as is, plus the engine's
-optimizer state (``optim*.pt``: :mod:`areal_npu.train.fsdp2_checkpoint`,
+Layout of ``<root>/step_<N>/``: a Hugging Face checkpoint (``config.json``, ``model.safetensors`` or
+shards with their index, with the ``mtp.*`` weights, the tokenizer) that vLLM and transformers load
+as is, plus the engine's fp32 masters and optimizer state (``optim/``: DCP directories, each rank
+writing its own shards, and ``optim.pt``, their index: :mod:`areal_npu.train.fsdp2_checkpoint`,
 :mod:`areal_npu.train.megatron.checkpoint`), ``trainer_state.json`` (version, scheduler, the
 caller's state such as the data position), ``rng_rank<r>.pt`` and, written last,
-``manifest.json`` (every file's size and SHA-256; see ``manifest.py``). :func:`write_checkpoint`
+``manifest.json`` (every file's size and CRC-32, each summed by the rank that wrote it; see ``manifest.py``). :func:`write_checkpoint`
 writes everything into a temporary directory that is renamed into place only when complete;
 ``<root>/latest`` is then replaced atomically. A crash at any point leaves the previous checkpoint
 intact and ``latest`` pointing at it; damage that happens later (lost page cache, a full disk) is
@@ -27,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 from areal_npu.config import ConfigError
-from areal_npu.train.manifest import MANIFEST, checkpoint_problems, write_manifest
+from areal_npu.train.manifest import MANIFEST, checkpoint_problems, own_entries, write_manifest
 
 LATEST = "latest"
+#: the optimizer state (and fp32 masters) in DCP directories, each rank writing its own shards
+OPTIM_DIR = "optim"
 
 
 def _barrier():
@@ -96,7 +99,11 @@ def checkpoint_to_resume(root: str | Path, warn: Callable[[str], None]) -> Path:
 
 
 def write_checkpoint(
-    root: str | Path, version: int, write_files: Callable[[Path], None], trainer_state: dict, keep_last: int = 2
+    root: str | Path,
+    version: int,
+    write_files: Callable[[Path], None],
+    trainer_state: dict,
+    keep_last: int = 2,
 ) -> Path:
     """Write ``<root>/step_<version>`` atomically; collective (every rank calls it).
 
@@ -117,10 +124,14 @@ def write_checkpoint(
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         _write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=2, default=str))
-    _barrier()  # every rank's files are in place: the manifest describes them all
+    entries = own_entries(tmp, rank)  # the files this rank wrote, flushed and summed here
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entries)  # also the barrier: every rank's files are in place
+        entries = {k: v for part in gathered for k, v in part.items()}
     final = root / name
     if rank == 0:
-        write_manifest(tmp)
+        write_manifest(tmp, entries)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _write_atomic(root / LATEST, name)

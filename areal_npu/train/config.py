@@ -52,9 +52,12 @@ class TrainEngineConfig:
     # (Megatron: bf16 params refreshed after each step from fp32 masters sharded over DP x CP).
     dtype: str = "float32"
     logprob_chunk_size: int = 2048  # tokens per chunk of the [T, V] log-prob computation
-    temperature: float = 1.0  # must match the behaviour log-probs (vLLM raw log-probs: 1.0)
+    temperature: float = 1.0  # scores log_softmax(z / temperature); = workflow.temperature (recipe.py)
     gradient_checkpointing: bool = False  # recompute each decoder layer (policy and MTP head) in backward
     ppo_minibatches: int = 1  # optimizer steps per train step (PPO mini-batches); the version bumps once
+    # train --dry-run refuses (exit 2) a plan whose memory budget per trainer device (step peak, runtime and HCCL
+    # reserve, fragmentation) is above this fraction of the device's memory; in (0, 1]
+    max_memory_fraction: float = 0.85
     optim: OptimConfig = field(default_factory=OptimConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)
     megatron: MegatronLayoutConfig = field(default_factory=MegatronLayoutConfig)
@@ -99,5 +102,13 @@ class TrainEngineConfig:
             raise ValueError("temperature must be > 0")
         if self.ppo_minibatches < 1:
             raise ValueError("ppo_minibatches must be >= 1")
+        if isinstance(self.max_memory_fraction, bool) or not 0 < self.max_memory_fraction <= 1:
+            raise ConfigError("max_memory_fraction", f"must lie in (0, 1]; got {self.max_memory_fraction!r}")
         self.packing.validate()
         self.megatron.validate()
+        packing = self.packing
+        forced = self.dp_size > 1 or packing.min_mbs > 1 or packing.mbs_divisor > 1
+        if not forced and packing.cost_linear_coef != PackingConfig.cost_linear_coef:
+            raise ConfigError("packing.cost_linear_coef", "balances micro-batches only when their count is forced "
+                              "above the plan's own (train.dp_size > 1, packing.min_mbs > 1 or packing.mbs_divisor "
+                              f"> 1); none is here: remove it or set it back to {PackingConfig.cost_linear_coef}")  # fmt: skip

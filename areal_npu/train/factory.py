@@ -16,26 +16,32 @@ __all__ = ["build_engine", "check_trainer", "check_world_size"]
 
 
 def build_engine(
-    train: TrainEngineConfig, checkpoint: str | Path, mtp: MTPConfig, pad_token_id: int
+    train: TrainEngineConfig,
+    checkpoint: str | Path,
+    mtp: MTPConfig,
+    pad_token_id: int,
+    eagle3=None,
+    eagle3_config=None,
 ) -> TrainEngine:
     """The engine ``train.backend`` names, holding the weights of the HF checkpoint ``checkpoint``
-    (and its ``mtp.*`` head where ``mtp`` asks for one). Needs ``torch.distributed`` initialised."""
-    from areal_npu.model.layout import load_for_training
-
+    (and its ``mtp.*`` head where ``mtp`` asks for one; ``eagle3``: an EAGLE-3 drafter to train
+    beside it, FSDP2 only). Needs ``torch.distributed`` initialised."""
     if train.backend == "fsdp2":
         from areal_npu.train.fsdp2 import FSDPEngine
 
-        lm, head, layout = load_for_training(checkpoint, mtp)
-        return FSDPEngine(lm, head, train, mtp, pad_token_id=pad_token_id, layout=layout)
+        # built on the meta device; each rank reads only its rows of the checkpoint
+        return FSDPEngine.from_checkpoint(
+            checkpoint, train, mtp, pad_token_id=pad_token_id, eagle3=eagle3, eagle3_config=eagle3_config
+        )
+    if eagle3 is not None:
+        raise ConfigError("eagle3.enabled", f"trains in the FSDP2 engine only, not {train.backend!r}")
     if train.backend == "megatron":
         from areal_npu.train.megatron.engine import MegatronEngine
         from areal_npu.train.megatron.mtp import check_mtp
 
         check_mtp(mtp, train.megatron.pp_size)  # before loading anything
-        lm, head, layout = load_for_training(checkpoint, mtp)  # either layout: the text LM trains
-        engine = MegatronEngine.from_hf_model(lm, train, head, mtp_config=mtp, pad_token_id=pad_token_id, layout=layout)
-        del lm, head
-        return engine
+        # either layout (the text LM trains); each rank reads only its shards of the checkpoint
+        return MegatronEngine.from_checkpoint(checkpoint, train, mtp, pad_token_id=pad_token_id)
     raise ConfigError("train.backend", f"no engine for {train.backend!r}")
 
 

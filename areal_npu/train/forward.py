@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from areal_npu import names
 from areal_npu.data.packed_layout import PackedBatch, pack_per_token
 from areal_npu.data.sample import TrainSample
 from areal_npu.kernels.logprobs import chunked_logprobs_entropy
+from areal_npu.model.eagle3 import capture_aux_states
 from areal_npu.model.mtp_loss import mtp_loss
 from areal_npu.model.mtp_targets import MTPTargets
 from areal_npu.train.losses import Loss
@@ -38,15 +40,27 @@ class MTPArgs:
 
 
 class PolicyWithMTP(nn.Module):
-    """One FSDP root holding the HF causal LM and its MTP head, so that the shared embedding and
-    output head are unsharded whenever the forward touches them (policy and MTP alike)."""
+    """One FSDP root holding the HF causal LM, its MTP head and the EAGLE-3 drafter (each optional),
+    so that the shared embedding and output head are unsharded whenever the forward touches them.
 
-    def __init__(self, lm: nn.Module, mtp: nn.Module | None):
+    The EAGLE-3 drafter (:class:`areal_npu.model.eagle3.Eagle3Drafter`) reads the policy's residual
+    stream at its auxiliary layers, recorded during the policy's own forward (no second pass) and
+    used detached; its loss is added to the MTP loss (stats under ``eagle3/``)."""
+
+    def __init__(self, lm: nn.Module, mtp: nn.Module | None, eagle3: nn.Module | None = None):
         super().__init__()
         self.lm = lm
         self.mtp = mtp
+        self.eagle3 = eagle3
 
-    def forward(self, batch: MicroBatch, chunk_size: int, temperature: float, mtp_args: MTPArgs | None):
+    def forward(
+        self,
+        batch: MicroBatch,
+        chunk_size: int,
+        temperature: float,
+        mtp_args: MTPArgs | None,
+        eagle3_args: MTPArgs | None = None,
+    ):
         cu = batch.cu_seqlens
         kwargs = dict(
             cu_seq_lens_q=cu,
@@ -55,7 +69,12 @@ class PolicyWithMTP(nn.Module):
             max_length_k=batch.max_seqlen,
             use_cache=False,
         )
-        out = self.lm.model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], **kwargs)
+        eagle3 = self.eagle3 if eagle3_args is not None else None
+        layers = eagle3.aux_layers if eagle3 is not None else []
+        with capture_aux_states(self.lm.model, layers) as aux:
+            out = self.lm.model(
+                input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], **kwargs
+            )
         hidden = out.last_hidden_state[0]
         head = self.lm.get_output_embeddings().weight
         logp, entropy = chunked_logprobs_entropy(
@@ -63,20 +82,36 @@ class PolicyWithMTP(nn.Module):
         )
         # Outputs must not be views: FSDP2 hooks its pre-backward on them (see its UserWarning).
         logp, entropy = logp.clone(), entropy.clone()
-        if mtp_args is None or self.mtp is None:
-            return logp, entropy, None, {}
-        targets = mtp_args.targets
-        mtp_hidden = self.mtp(
-            hidden,
-            targets.embed_ids,
-            batch.position_ids,
-            self.lm.get_input_embeddings().weight,
-            cu_seqlens=cu,
-            max_seqlen=batch.max_seqlen,
-        )
-        loss, stats = mtp_loss(
-            mtp_hidden, head, targets, mtp_args.loss_scale, mtp_args.counts, chunk_size=chunk_size
-        )
+        loss, stats = None, {}
+        embed = self.lm.get_input_embeddings().weight
+        if mtp_args is not None and self.mtp is not None:
+            targets = mtp_args.targets
+            mtp_hidden = self.mtp(
+                hidden,
+                targets.embed_ids,
+                batch.position_ids,
+                embed,
+                cu_seqlens=cu,
+                max_seqlen=batch.max_seqlen,
+            )
+            loss, stats = mtp_loss(
+                mtp_hidden, head, targets, mtp_args.loss_scale, mtp_args.counts, chunk_size=chunk_size
+            )
+        if eagle3 is not None:
+            targets = eagle3_args.targets
+            drafted = eagle3(
+                [aux[i][0] for i in layers],
+                targets.embed_ids,
+                batch.position_ids,
+                embed,
+                cu,
+                batch.max_seqlen,
+            )
+            e_loss, e_stats = mtp_loss(
+                drafted, head, targets, eagle3_args.loss_scale, eagle3_args.counts, chunk_size=chunk_size
+            )
+            stats.update(names.as_eagle3_stats(e_stats))
+            loss = e_loss if loss is None else loss + e_loss
         return logp, entropy, loss, stats
 
 

@@ -19,12 +19,13 @@ from torch import nn
 
 from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES, iter_kind_buckets
 from areal_npu.data.packed_layout import pack_per_token
+from areal_npu.model.eagle3 import Eagle3Config
 from areal_npu.model.layout import TEXT, CheckpointLayout
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.mtp_params import apply_mtp_mode, mtp_mode
 from areal_npu.model.mtp_targets import build_mtp_targets
 from areal_npu.model.packed import enable_packed_attention
-from areal_npu.names import MTP_PREFIX
+from areal_npu.names import EAGLE3_PREFIX, MTP_PREFIX
 from areal_npu.platform import current_platform
 from areal_npu.train.base import TrainEngineBase, check_export_kinds, optimizer_stats, refuse_non_finite
 from areal_npu.train.config import TrainEngineConfig
@@ -81,8 +82,15 @@ class FSDPEngine(TrainEngineBase):
         mtp_config: MTPConfig | None = None,
         pad_token_id: int = 0,
         layout: CheckpointLayout | None = None,
+        reader=None,
+        eagle3: nn.Module | None = None,
+        eagle3_config: Eagle3Config | None = None,
     ):
-        """``mtp_config``: a validated config (the recipe's ``mtp``); default the head as given."""
+        """``mtp_config``: a validated config (the recipe's ``mtp``); default the head as given.
+        ``reader``: ``lm`` is on the meta device and each rank reads its shards from this
+        :class:`~areal_npu.model.safetensors_reader.SafetensorsReader` (:meth:`from_checkpoint`).
+        ``eagle3``: an :class:`~areal_npu.model.eagle3.Eagle3Drafter` trained beside the policy
+        (``eagle3_config``: its loss and learning-rate scales, depths); exported as ``eagle3.*``."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         config.validate()
@@ -96,6 +104,7 @@ class FSDPEngine(TrainEngineBase):
         self.layout = layout or CheckpointLayout(TEXT)
         self.config = config
         self.mtp_config = mtp_config or MTPConfig(enabled=mtp is not None, train=mtp is not None)
+        self.eagle3_config = eagle3_config or Eagle3Config(enabled=eagle3 is not None)
         self.pad_token_id = pad_token_id
         self.platform = current_platform()
         self.device = self.platform.current_device()
@@ -116,25 +125,59 @@ class FSDPEngine(TrainEngineBase):
         # optimizer then keeps fp32 states and applies updates below bf16's resolution, which a
         # bf16 parameter would round away. FSDP2 all-gathers bf16 copies for the compute
         # (param_dtype) and reduces gradients in fp32 into the fp32 shards.
-        self.module = PolicyWithMTP(lm, mtp).to(device=self.device, dtype=torch.float32)
+        if reader is None:
+            self.module = PolicyWithMTP(lm, mtp, eagle3).to(device=self.device, dtype=torch.float32)
+        else:  # the policy stays on the meta device until it is sharded (materialise)
+            self.module = PolicyWithMTP(lm.to(dtype=torch.float32), mtp, eagle3)
+            for head in (mtp, eagle3):
+                if head is not None:
+                    head.to(device=self.device, dtype=torch.float32)
+        named = self.module.named_parameters() if reader is not None else ()  # the new MTP head's
+        kept = {n: p.detach().clone() for n, p in named if not p.is_meta}
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for layer in list(lm.model.layers) + (list(mtp.layers) if mtp is not None else []):
             fully_shard(layer, mp_policy=policy)
         fully_shard(self.module, mp_policy=policy)
-        self.lm, self.mtp = self.module.lm, self.module.mtp
+        if reader is not None:  # each rank's rows of each parameter, read into its shard
+            from areal_npu.train.fsdp2_stream import materialise
+
+            materialise(self.module, reader, self.layout, kept, self.device)
+        del kept
+        self.lm, self.mtp, self.eagle3 = self.module.lm, self.module.mtp, self.module.eagle3
         # fully_shard swaps parameters for DTensors in place: collect them after sharding, by name.
         trainable = {("lm." + n) for n, _ in groups.policy} | {n for n, _ in groups.mtp}
         named = dict(self.module.named_parameters())
-        param_groups = [
+        drafter = sorted(n for n in named if n.startswith(EAGLE3_PREFIX))
+        param_groups = [  # one group per part: clipped apart (optimizer_step), so none rescales another
             {"params": [named[n] for n in sorted(trainable) if not n.startswith(MTP_PREFIX)]},
             {
                 "params": [named[n] for n in sorted(trainable) if n.startswith(MTP_PREFIX)],
                 "lr": config.optim.lr * groups.mtp_lr_scale,
             },
+            {"params": [named[n] for n in drafter], "lr": config.optim.lr * self.eagle3_config.lr_scale},
         ]
         self.optimizer, self.scheduler = build_optimizer(
             [g for g in param_groups if g["params"]], config.optim
         )
+
+    @classmethod
+    def from_checkpoint(
+        cls, model_dir, config: TrainEngineConfig, mtp_config: MTPConfig, **kwargs
+    ) -> FSDPEngine:
+        """From an HF checkpoint directory (either layout): the model built on the meta device,
+        sharded, then each rank's rows read from the checkpoint (:mod:`.fsdp2_stream`); the MTP
+        head (one layer) is read whole."""
+        from areal_npu.model.layout import PUBLISHED, config_and_layout
+        from areal_npu.model.mtp_checkpoint import build_mtp_head
+        from areal_npu.model.safetensors_reader import SafetensorsReader
+        from areal_npu.train.fsdp2_stream import meta_text_model
+
+        hf_config, layout = config_and_layout(model_dir)
+        lm = meta_text_model(hf_config)
+        if layout.kind == PUBLISHED:  # one config object: what training sets on it is saved
+            layout.config.text_config = lm.config
+        head = build_mtp_head(lm.config, mtp_config, model_dir) if mtp_config.enabled else None
+        return cls(lm, head, config, mtp_config, layout=layout, reader=SafetensorsReader(model_dir), **kwargs)
 
     # ---- the steps the base leaves to the engine -------------------------------------------------
     def _to_device(self, packed, fields) -> MicroBatch:
@@ -148,25 +191,39 @@ class FSDPEngine(TrainEngineBase):
             logp, _, _, _ = self.module(mb, self.config.logprob_chunk_size, self.config.temperature, None)
             yield mb.packed, logp.float().cpu()
 
-    def _mtp_args(self, plan, mbs: list[MicroBatch], samples) -> list[MTPArgs | None]:
-        """The MTP head's targets per micro-batch (from its samples' token-aligned loss masks) and
-        the global per-depth counts; none unless the head trains."""
-        if self.mtp is None or mtp_mode(self.mtp_config) not in ("joint", "mtp_only"):
+    def _mtp_args(self, plan, mbs: list[MicroBatch], samples) -> list[tuple[MTPArgs | None, MTPArgs | None]]:
+        """Per micro-batch the MTP head's and the EAGLE-3 drafter's targets (from its samples'
+        token-aligned loss masks) with the global per-depth counts; None for one that does not train."""
+        trains = self.mtp is not None and mtp_mode(self.mtp_config) in ("joint", "mtp_only")
+        mtp = self._draft_args(
+            plan, mbs, samples, self.mtp_config.num_depths, self.mtp_config.loss_scale, trains
+        )
+        cfg = self.eagle3_config
+        eagle3 = self._draft_args(plan, mbs, samples, cfg.num_depths, cfg.loss_scale, self.eagle3 is not None)
+        return list(zip(mtp, eagle3, strict=True))
+
+    def _draft_args(self, plan, mbs, samples, depths: int, loss_scale: float, trains: bool) -> list:
+        if not trains:
             return [None] * len(mbs)
-        args = [self._mtp_targets(mb, [samples[i].loss_mask for i in indices]) for indices, mb in zip(plan, mbs)]
-        local = [sum(a.targets.valid_counts()[d] for a in args) for d in range(self.mtp_config.num_depths)]
+        args = [
+            self._mtp_targets(mb, [samples[i].loss_mask for i in indices], depths, loss_scale)
+            for indices, mb in zip(plan, mbs)
+        ]
+        local = [sum(a.targets.valid_counts()[d] for a in args) for d in range(depths)]
         counts = [int(c) for c in all_reduce_sum([float(c) for c in local])]
         for a in args:
             a.counts = counts
         return args
 
-    def _mtp_targets(self, mb: MicroBatch, token_masks: list[torch.Tensor]) -> MTPArgs:
+    def _mtp_targets(
+        self, mb: MicroBatch, token_masks: list[torch.Tensor], depths: int, loss_scale: float
+    ) -> MTPArgs:
         packed = mb.packed
         # token-aligned loss mask over prompt + response ids, as the policy's (packed without shift)
         mask = pack_per_token([s.to(torch.bool) for s in token_masks], packed, False)
         targets = build_mtp_targets(
             packed.input_ids,
-            self.mtp_config.num_depths,
+            depths,
             packed.cu_seqlens,
             mask,
             packed.valid_mask,
@@ -174,7 +231,7 @@ class FSDPEngine(TrainEngineBase):
             IGNORE,
         )
         targets.embed_ids, targets.labels = targets.embed_ids.to(self.device), targets.labels.to(self.device)
-        return MTPArgs(targets, self.mtp_config.loss_scale)
+        return MTPArgs(targets, loss_scale)
 
     def _accumulate(self, mbs: list[MicroBatch], mtp_args, mb_loss) -> list:
         world = dist.get_world_size()
@@ -183,7 +240,7 @@ class FSDPEngine(TrainEngineBase):
         for i, mb in enumerate(mbs):
             self.module.set_requires_gradient_sync(i == len(mbs) - 1)
             logp, entropy, aux, aux_stats = self.module(
-                mb, self.config.logprob_chunk_size, self.config.temperature, mtp_args[i]
+                mb, self.config.logprob_chunk_size, self.config.temperature, *mtp_args[i]
             )
             total, result = mb_loss(mb, logp, entropy, aux, aux_stats)
             # FSDP averages gradients over ranks; the loss is already a global mean, so undo that.
@@ -221,15 +278,23 @@ class FSDPEngine(TrainEngineBase):
             elif name.startswith(MTP_PREFIX) and not name.startswith(MTP_PREFIX + "rotary_emb"):
                 yield name, tensor.detach().cpu()
 
+    def eagle3_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(eagle3.<vLLM name>, full CPU tensor)`` of the EAGLE-3 drafter (none without one). Collective."""
+        for name, param in self.module.state_dict().items():
+            if name.startswith(EAGLE3_PREFIX):
+                tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+                yield name, tensor.detach().cpu()
+
     def export_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, kinds: Sequence[str] = ("policy", "mtp")):
         """Weights for the rollout sync in size-bounded buckets: ``(kind, [(name, tensor), ...])``,
         under the names of the checkpoint's layout (what the engine's ``load_weights`` takes), in
         the compute dtype (``config.dtype``; :meth:`full_state_dict` gives the fp32 masters).
 
-        ``kind`` is ``policy`` or ``mtp`` (vLLM loads the drafter separately), or ``vision`` (a
+        ``kind`` is ``policy``, ``mtp`` or ``eagle3`` (vLLM loads a drafter separately), or ``vision`` (a
         published checkpoint's untouched vision tower; only when asked: vLLM serving with images
         off builds no vision tower to load it into). Frozen parts are skipped
-        (a frozen head was loaded once by the engine). Collective: every rank iterates.
+        (a frozen head was loaded once by the engine). With an EAGLE-3 drafter, ``mtp`` (the engines'
+        drafter) gives its ``eagle3.*`` and not the MTP head's ``mtp.*``. Collective: every rank iterates.
         """
         check_export_kinds(kinds)
         mode = mtp_mode(self.mtp_config)
@@ -237,8 +302,14 @@ class FSDPEngine(TrainEngineBase):
             "policy": mode != "mtp_only" and "policy" in kinds,
             "mtp": mode in ("joint", "mtp_only") and "mtp" in kinds,
             "vision": "vision" in kinds,
+            # ``mtp`` asks for the engines' drafter: with an EAGLE-3 drafter here the engines draft with
+            # it (the recipe: eagle3.enabled needs rollout.spec.method eagle3), and the MTP head, which
+            # still trains, is not sent (its mtp.* would reach the EAGLE-3 module)
+            "eagle3": self.eagle3 is not None and ("eagle3" in kinds or "mtp" in kinds),
         }
+        wanted["mtp"] = wanted["mtp"] and self.eagle3 is None
         carried = (("vision", n, t) for n, t in self.layout.carried.items())
+        drafter = (("eagle3", n, t.to(self.compute_dtype)) for n, t in self.eagle3_state_dict())
         # The compute dtype's copy of the fp32 masters: the weights the trainer's forward uses, at
         # half the bytes per sync for bf16 (checkpoints keep the fp32 masters).
         named = (
@@ -250,7 +321,7 @@ class FSDPEngine(TrainEngineBase):
             for n, t in self.full_state_dict()
         )
         # the filter still draws every tensor: full_state_dict is collective, every rank iterates it all
-        kept = ((k, n, t) for k, n, t in itertools.chain(named, carried) if wanted[k])
+        kept = ((k, n, t) for k, n, t in itertools.chain(named, carried, drafter) if wanted[k])
         yield from iter_kind_buckets(kept, bucket_bytes)
 
     # ---- checkpoints ----------------------------------------------------------------------------

@@ -106,6 +106,14 @@ class PPOLoss:
                 "ppo.kl_coef",
                 f"is {self.config.kl_coef}, but the train engines compute no reference-policy log-probs; set 0",
             )
+        if self.config.behave_imp_weight_mode == "none" and self.config.behave_imp_weight_level != "token":
+            raise ConfigError(  # the level of a weight that is neither clamped nor masked changes nothing
+                "ppo.behave_imp_weight_level", "is read only with ppo.behave_imp_weight_mode clamp or mask"
+            )
+        if self.config.kl_estimator != PPOConfig.kl_estimator:  # read only with the KL term above
+            raise ConfigError(
+                "ppo.kl_estimator", "is read only with ppo.kl_coef > 0, which no train engine supports"
+            )
 
     @property
     def needs_whole_sequences(self) -> bool:

@@ -16,7 +16,8 @@ __all__ = ["merge_minibatch_stats", "merge_stats"]
 
 def _additive(key: str) -> bool:
     """Stats that are already fractions of a global normaliser: they add up over micro-batches."""
-    return key.startswith(names.MTP_STATS) or key in (names.PPO_LOSS, names.PPO_N_VALID_TOKENS)
+    drafters = (names.MTP_STATS, names.EAGLE3_STATS)
+    return key.startswith(drafters) or key in (names.PPO_LOSS, names.PPO_N_VALID_TOKENS)
 
 
 def merge_stats(per_mb: list[tuple[float, dict[str, float]]], group=None) -> dict[str, float]:

@@ -200,10 +200,24 @@ def test_the_recipe_accepts_a_warm_start_on_embedded_tasks_and_refuses_it_on_a_t
     jsonl.write_text("")
     # task.families=[]: the recipe's easy tier selects embedded tasks, which a task set refuses first
     code = cli.main(
-        ["train", str(RECIPE), "--check", "warmstart.steps=3", "task.families=[]", f"task.jsonl={jsonl}"]
+        ["train", str(RECIPE), "--check", "warmstart.steps=3", "task.families=[]", f"task.dataset={jsonl}"]
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("config error: warmstart.steps: "), err
+    # ... unless the demonstrations come from embedded tasks of their own (a dataset has no fixes)
+    assert cli.main(["train", str(RECIPE), "--check", "warmstart.demo_tasks=4", "warmstart.steps=0"]) == 2
+    assert "warmstart.demo_tasks" in capsys.readouterr().err
+
+
+def test_mini_swe_agent_demonstrations_are_recorded_through_its_harness(tok, recipe):
+    # the same episodes in mini-swe-agent's action format, run by mini-swe-agent through the gateway:
+    # every written turn parses (no format error), the fix is graded 1 (_record checks both)
+    shell = dataclasses.replace(recipe.workflow.shell, harness="mini_swe_agent", system_prompt="",
+                                harness_config={"agent": {"system_template": "Fix it.", "instance_template": "{{task}}"}})  # fmt: skip
+    workflow = dataclasses.replace(recipe.workflow, shell=shell, max_new_tokens=256, max_turns=2)
+    (traj,) = record_demos(make_repo_tasks(1, seed=4), workflow, tok)
+    assert traj.meta["harness"] == "mini_swe_agent" and traj.meta["end"] == "submitted" and traj.segments == []
+    assert "```mswea_bash_command" in tok.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if m])
 
 
 # ---- the warm start on demonstrations, judged by greedy episodes through transformers (no vLLM) ----

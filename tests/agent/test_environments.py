@@ -4,22 +4,18 @@ embedded repo-repair tasks. Expectations are hand-computed or observed on the ho
 import difflib
 import json
 import subprocess
-import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
-from areal_npu.agent.environments import (
-    CallTest,
-    EnvLimits,
-    RepoEnv,
-    RepoTask,
-    materialize,
-    parse_test_log,
-)
+from areal_npu.agent import fs
+from areal_npu.agent.environments import EnvLimits, RepoEnv, materialize
 from areal_npu.agent.jail import JailLimits, backend
+from areal_npu.agent.repo_task import CallTest, RepoTask
 from areal_npu.agent.repo_tasks import BUG_FAMILIES, make_repo_tasks
 from areal_npu.agent.tasksets import load_jsonl
+from tests.support.unittest_task import TEST_PATCH, unittest_id
 
 JAIL_OK, JAIL_WHY = backend("bwrap").available()
 needs_jail = pytest.mark.skipif(not JAIL_OK, reason=f"no bwrap jail on this machine: {JAIL_WHY}")
@@ -63,17 +59,22 @@ def test_long_output_is_truncated_with_a_note():
 
 @needs_jail
 def test_the_repository_copy_has_a_disk_quota():
-    """A writer that never stops is killed by the quota, not the wall clock; what it left is what
-    `du` (coreutils, an independent count) says is over the quota; a later command may clean up."""
+    """A writer that never stops is killed by the quota, not the wall clock; `du` (coreutils, an
+    independent count) says what it left: at most the quota where the copy is in a size-capped area
+    (the kernel refused the rest), past it where the quota is polled; a later command may clean up."""
     quota = 8 << 20
     limits = EnvLimits(command=JailLimits(wall_seconds=30, cpu_seconds=30, disk_bytes=quota, file_bytes=1 << 20))
     with RepoEnv(RepoTask("t", "t", CALC, CALL_TESTS), limits) as env:
         out, code = env.run("head -c 4096 /dev/urandom > small.bin && echo ok")
         assert (out, code) == ("ok\n", 0)  # under the quota nothing changes
         out, code = env.run("i=0; while :; do head -c 262144 /dev/urandom > f$i; i=$((i+1)); sleep 0.01; done")
-        assert code == 1 and out.endswith(f"[the repository grew past {quota >> 20} MiB; the command was killed]")
+        note = f"[the repository reached its size limit ({quota >> 20} MiB or 20000 new files); the command was killed]"
+        assert code == 1 and out.endswith(note)
         du = subprocess.run(["du", "-s", "--block-size=1", str(env.repo)], capture_output=True, text=True)
-        assert int(du.stdout.split()[0]) > quota
+        if fs.areas_supported()[0]:
+            assert quota - (1 << 20) < int(du.stdout.split()[0]) <= quota
+        else:
+            assert int(du.stdout.split()[0]) > quota
         # over the quota from the start: commands that do not grow the copy still run
         assert env.run("rm f* && ls") == ("calc.py\nsmall.bin\n", 0)
         assert env.grade().reward == 0.0  # the grader still runs on the cleaned copy (add() subtracts)
@@ -123,43 +124,6 @@ def test_snapshots_from_archives_and_unsafe_paths(tmp_path):
         materialize({"../x.py": ""}, tmp_path / "out-evil")
 
 
-def test_parse_test_log():
-    log = (
-        "PASSED tests/test_a.py::test_one\nFAILED tests/test_a.py::test_two - assert 1 == 2\n"
-        "tests/test_b.py::test_three PASSED [ 50%]\n"
-        "test_x (test_mod.T.test_x) ... ok\ntest_y (test_mod.T.test_y) ... FAIL\n"
-    )
-    assert parse_test_log(log) == {
-        "tests/test_a.py::test_one": "PASSED",
-        "tests/test_a.py::test_two": "FAILED",
-        "tests/test_b.py::test_three": "PASSED",
-        "test_x (test_mod.T.test_x)": "PASSED",
-        "test_y (test_mod.T.test_y)": "FAILED",
-    }
-
-
-_TEST_PATCH = """\
-diff --git a/test_app.py b/test_app.py
-new file mode 100644
---- /dev/null
-+++ b/test_app.py
-@@ -0,0 +1,9 @@
-+import unittest
-+import app
-+
-+
-+class T(unittest.TestCase):
-+    def test_answer(self):
-+        self.assertEqual(app.answer(), 42)
-+    def test_name(self):
-+        self.assertEqual(app.NAME, "app")
-"""
-
-
-def _unittest_id(name: str) -> str:
-    return f"{name} (test_app.T.{name})" if sys.version_info >= (3, 11) else f"{name} (test_app.T)"
-
-
 @needs_jail
 def test_swe_bench_layout_loader_and_grading(tmp_path):
     snap = tmp_path / "snaps" / "demo__app-1"
@@ -167,20 +131,21 @@ def test_swe_bench_layout_loader_and_grading(tmp_path):
     (snap / "app.py").write_text('NAME = "app"\n\n\ndef answer():\n    return 41\n')
     row = {
         "instance_id": "demo__app-1", "repo": "demo/app", "base_commit": "abc123",
-        "problem_statement": "answer() is off by one", "test_patch": _TEST_PATCH,
-        "FAIL_TO_PASS": json.dumps([_unittest_id("test_answer")]),
-        "PASS_TO_PASS": [_unittest_id("test_name")],
+        "problem_statement": "answer() is off by one", "test_patch": TEST_PATCH,
+        "FAIL_TO_PASS": json.dumps([unittest_id("test_answer")]),
+        "PASS_TO_PASS": [unittest_id("test_name")],
         "test_command": "python3 -m unittest -v test_app",
+        "log_parser": "django",  # swebench's parser of `unittest -v` lines
     }  # fmt: skip
     jsonl = tmp_path / "tasks.jsonl"
     jsonl.write_text(json.dumps(row) + "\n\n")
     (task,) = load_jsonl(jsonl, tmp_path / "snaps")
     assert task.task_id == "demo__app-1" and task.snapshot == snap and task.meta["repo"] == "demo/app"
-    assert task.hidden_tests.fail_to_pass == (_unittest_id("test_answer"),)
+    assert task.hidden_tests.fail_to_pass == (unittest_id("test_answer"),)
     with RepoEnv(task) as env:
         assert env.run("ls")[0].split() == ["app.py"]  # the test patch is not in the agent's copy
         before = env.grade()
-        assert before.reward == 0.0 and before.details["statuses"][_unittest_id("test_name")] == "PASSED"
+        assert before.reward == 0.0 and before.details["statuses"][unittest_id("test_name")] == "PASSED"
         env.run("sed -i 's/41/42/' app.py")
         after = env.grade()
         assert after.reward == 1.0, after.details
@@ -189,7 +154,7 @@ def test_swe_bench_layout_loader_and_grading(tmp_path):
 
 def test_loader_defaults_and_errors(tmp_path):
     (tmp_path / "x-1.tar.gz").write_bytes(b"")
-    row = {"instance_id": "x-1", "problem_statement": "p", "test_patch": _TEST_PATCH}
+    row = {"instance_id": "x-1", "problem_statement": "p", "test_patch": TEST_PATCH}
     (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
     (task,) = load_jsonl(tmp_path / "a.jsonl")
     assert task.snapshot == tmp_path / "x-1.tar.gz"
@@ -253,3 +218,45 @@ def test_repo_tasks_fail_before_and_pass_after_the_reference_fix(index):
         assert 1 <= sum(line[:2] in ("- ", "+ ") for line in diff) <= 2  # a one-line fix
         (env.repo / path).write_text(fixed)
         assert env.grade().reward == 1.0, task.meta
+
+
+def test_swebench5_task_directories_load_like_their_jsonl_row(tmp_path):
+    # the directory written with swebench's own writers (task.yaml, tests.json, the patches as files)
+    from swebench.task import repo as swe_repo
+
+    from areal_npu.agent.tasksets import load
+
+    row = {"instance_id": "demo__app-1", "repo": "demo/app", "base_commit": "abc123", "version": "1.0",
+           "problem_statement": "answer() is off by one\n", "test_patch": TEST_PATCH, "patch": "",
+           "FAIL_TO_PASS": [unittest_id("test_answer")], "PASS_TO_PASS": [unittest_id("test_name")],
+           "image_name": "demo-image", "log_parser": "django"}  # fmt: skip
+    (tmp_path / "demo-image").mkdir()  # a prepared root filesystem beside the set
+    (tmp_path / "set.jsonl").write_text(json.dumps(row) + "\n")
+    task_dir = tmp_path / "repo" / swe_repo.TASKS_SUBDIR / row["instance_id"]
+    task_dir.mkdir(parents=True)
+    keys = {k: v for k, v in row.items() if k not in (*swe_repo.AS_FILE, *swe_repo.TEST_KEYS)}
+    (task_dir / swe_repo.TASK_FILE).write_text(swe_repo.dump_yaml(keys))
+    (task_dir / swe_repo.TESTS_FILE).write_text(swe_repo.dump_tests({k: row[k] for k in swe_repo.TEST_KEYS}))
+    for column, name in swe_repo.AS_FILE.items():
+        (task_dir / name).write_text(row.get(column, ""))
+    (from_jsonl,) = load(tmp_path / "set.jsonl", image_root=tmp_path)
+    for path in (task_dir, tmp_path / "repo"):  # one task directory, and a task repository (tasks/)
+        (task,) = load(path, image_root=tmp_path)
+        assert (task.task_id, task.problem_statement, task.hidden_tests) == (
+            from_jsonl.task_id, from_jsonl.problem_statement, from_jsonl.hidden_tests)  # fmt: skip
+        assert task.image == str(tmp_path / "demo-image") == from_jsonl.image and task.workdir == "/testbed"
+        assert task.snapshot is None  # the image ships the repository
+    with pytest.raises(ValueError, match="neither a JSONL file"):
+        load(tmp_path / "demo-image")
+
+
+def test_r2e_gym_rows_load_with_their_own_fields():
+    from areal_npu.agent.tasksets import from_row
+
+    row = json.loads((Path(__file__).parent / "data" / "r2e_gym_row.json").read_text())
+    task = from_row(row, Path("/nonexistent"))
+    assert task.task_id == f"{row['repo_name']}__{row['commit_hash'][:8]}"
+    assert task.image == row["docker_image"] and task.workdir == "/testbed" and task.snapshot is None
+    tests = task.hidden_tests
+    assert tests.command == "bash run_tests.sh" and tests.expected_statuses == json.loads(row["expected_output_json"])
+    assert set(tests.hidden_paths) == {"run_tests.sh", "r2e_tests"}  # kept out of the agent's copy

@@ -198,8 +198,13 @@ def test_the_project_and_its_task_generator_are_out_of_reach():
 
 def test_hidden_tests_exist_only_for_grading():
     marker = f"HIDDEN-{secrets.token_hex(8)}"
-    hidden = CommandTests(command="python3 tests_hidden.py",
-                          files={"tests_hidden.py": f"# {marker}\nimport app\nassert app.answer() == 42\n"})  # fmt: skip
+    test = (
+        "import unittest\nimport app\n\n\nclass T(unittest.TestCase):\n    def test_answer(self):\n"
+        "        self.assertEqual(app.answer(), 42)\n"
+    )
+    uid = "test_answer (tests_hidden.T" + (".test_answer)" if sys.version_info >= (3, 11) else ")")
+    hidden = CommandTests(command="python3 -m unittest -v tests_hidden", fail_to_pass=(uid,), log_parser="django",
+                          files={"tests_hidden.py": f"# {marker}\n{test}"})  # fmt: skip
     with RepoEnv(_task(hidden=hidden)) as env:
         # Every file the episode can see, except the read-only host trees (the system and the
         # interpreter: reading all of them took past the command's 30 s on a cold CI disk).

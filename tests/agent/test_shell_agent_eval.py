@@ -50,7 +50,6 @@ class Client:
 def controller(tok, client, eval_tasks, tmp_path):
     return RLController(ControllerConfig(eval_size=len(eval_tasks)), SimpleNamespace(version=0), tok, client, eval_tasks,
                         tmp_path, Logger(), spec=SpecConfig(), grpo=GRPOConfig(), loss=PPOLoss(), seed=0,
-                        weight_bucket_bytes=1 << 20,
                         eval_tasks=eval_tasks)  # fmt: skip
 
 

@@ -74,3 +74,18 @@ def test_multi_turn_feedback_tokens_carry_no_loss(tokenizer):
 def test_bad_workflow_path_is_a_clear_error(tokenizer):
     with pytest.raises(ValueError, match="does not name a workflow class"):
         load_workflow(WorkflowConfig(path="areal_npu.agent.workflows.Nope"), tokenizer)
+
+
+def test_no_jail_is_refused_at_check_unless_the_weaker_sandbox_is_named(monkeypatch):
+    # attack through the public API: with bubblewrap unable to start, grading must not slip into the
+    # process sandbox (where an answer could read the host and forge its reward) unless chosen by name
+    from areal_npu.agent import jail, sandbox
+    from areal_npu.config import ConfigError
+
+    monkeypatch.setattr(jail.BubblewrapJail, "available", lambda self: (False, "no user namespaces (faked)"))
+    with pytest.raises(ConfigError, match="grader_jail"):
+        WorkflowConfig(path="areal_npu.agent.workflows.SingleTurn").validate()
+    WorkflowConfig(path="areal_npu.agent.workflows.SingleTurn", grader_jail="process").validate()
+    assert sandbox.resolve_jail("auto") == ("unavailable", "no user namespaces (faked)")
+    res = sandbox.run_tests("def f(x):\n    return x\n", [(1, 1)], sandbox.SandboxLimits(jail="auto"))
+    assert res.reason == "sandbox_error" and res.passed == 0

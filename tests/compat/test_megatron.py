@@ -111,9 +111,11 @@ def test_upstream_linear_backward_still_allocates_its_sp_gradient_on_cuda():
         backward(ctx, torch.zeros(4, 4))
 
 
-def test_the_rng_tracker_is_megatrons_stateless_one_and_its_fork_draws_nothing():
+def test_the_cpu_rng_tracker_keeps_megatrons_registration_check_and_its_fork_draws_nothing():
     """Upstream's training tracker cannot fork on a CPU-only build (no CUDA RNG state); after the
-    patches the tracker is Megatron's inference tracker, whose fork leaves every RNG untouched."""
+    patches the tracker keeps its bookkeeping: a fork of a state never registered fails as on a GPU
+    (the shim does not hide a missing ``model_parallel_cuda_manual_seed``), a registered one forks
+    and leaves every RNG untouched."""
     from megatron.core.tensor_parallel import random as mrandom
 
     with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
@@ -123,11 +125,25 @@ def test_the_rng_tracker_is_megatrons_stateless_one_and_its_fork_draws_nothing()
             pass
     apply_cpu_patches()
     tracker = mrandom.get_cuda_rng_tracker()
-    assert type(tracker).__name__ == "InferenceCudaRNGStatesTracker"
-    before = torch.get_rng_state()
-    with tracker.fork():
-        pass
-    assert torch.equal(before, torch.get_rng_state())
+    assert (
+        isinstance(tracker, mrandom.CudaRNGStatesTracker) and type(tracker).__name__ == "CpuRNGStatesTracker"
+    )
+    saved = tracker.get_states()
+    try:
+        tracker.reset()
+        with pytest.raises(Exception, match="model-parallel-rng is not added"):
+            with tracker.fork():
+                pass
+        tracker.add("model-parallel-rng", 3)
+        with pytest.raises(Exception, match="seed 3 already exists"):
+            tracker.add("another", 3)
+        before = torch.get_rng_state()
+        with tracker.fork():
+            pass
+        assert torch.equal(before, torch.get_rng_state())
+    finally:
+        tracker.reset()
+        tracker.set_states(saved)
 
 
 RANDOM = "megatron.core.tensor_parallel.random"

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from areal_npu.kernels import packed_attention as pa
-from areal_npu.kernels.logprobs import _has_f32_out_gemm, chunked_logprobs_entropy, naive_logprobs_entropy
+from areal_npu.kernels.logprobs import chunked_logprobs_entropy, has_f32_out_gemm, naive_logprobs_entropy
 
 pytestmark = [
     pytest.mark.cuda,
@@ -50,9 +50,14 @@ def _per_segment_sdpa(q, k, v, cu):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize(
+    "lengths", [[1, 700, 33, 2048, 5, 1200], [8192, 8192]], ids=["short-varlen", "long-per-segment"]
+)
 @pytest.mark.parametrize("heads", [(16, 4), (8, 8)])
-def test_packed_attention_bf16_forward_backward_vs_float64(heads):
-    lengths = [1, 700, 33, 2048, 5, 1200]
+def test_packed_attention_bf16_forward_backward_vs_float64(heads, lengths):
+    """Both paths of the dispatch by layout (short: varlen; two 8K segments: SDPA per segment)."""
+    expected = "varlen" if len(lengths) > 2 else "per_segment"
+    assert pa.cuda_path_for(lengths, heads[0], heads[1], 128) == expected
     q, k, v, cu = _packed(lengths, *heads, 128, torch.bfloat16)
     grad_out = torch.randn_like(q)
     results = {}
@@ -88,7 +93,7 @@ def test_varlen_path_is_taken_for_bf16(monkeypatch):
 
 
 def test_chunked_logprobs_bf16_accumulate_in_float32():
-    assert _has_f32_out_gemm(torch.device("cuda"), torch.bfloat16)
+    assert has_f32_out_gemm(torch.device("cuda"), torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
     T, H, V = 1024, 512, 32000
     hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()

@@ -7,7 +7,7 @@ stand-in server) an engine actor's start moving off a port taken before it binds
 import pytest
 
 from areal_npu import platform as plat
-from areal_npu.launch.ray_bundles import cluster_from_ray, placement_groups, placements
+from areal_npu.launch.ray_bundles import NODE_PIN, cluster_from_ray, placement_groups, placements
 from areal_npu.launch.ray_launch import engine_spec
 from areal_npu.placement import Cluster, TrainerLayout, plan
 from areal_npu.rollout.config import RolloutConfig
@@ -52,6 +52,21 @@ def test_one_bundle_per_process_in_its_nodes_group(layout):
         else:  # shared cores: equal shares that add up to (at most) the node's cores, within Ray's 1e-4
             shares = {b[resource] for b in bundles}
             assert len(shares) == 1 and len(result.device_ids) - total < 1e-4 * len(bundles)
+
+
+def test_each_group_is_pinned_to_its_plan_nodes_address():
+    """Ray places a STRICT_PACK group on any node that fits; the plan gave node 0's ranks the
+    rendezvous (MASTER_ADDR), so each group's first bundle asks for a sliver of its node's
+    ``node:<address>`` resource (Ray gives every node 1 of its own)."""
+    result = _plan("cpu", 2, 2, TrainerLayout(dp=3), 1, 1)  # tests/launch/test_two_nodes_netns.py's
+    addrs = ("10.0.0.0", "10.0.0.1")
+    assert {p.env["MASTER_ADDR"] for p in result.trainers} == {addrs[0]} and result.engines[0].node == 1
+    pinned, plain = placement_groups(result, addrs), placement_groups(result)
+    for node, (bundles, unpinned) in enumerate(zip(pinned, plain)):
+        pins = [{k: v for k, v in b.items() if k.startswith("node:")} for b in bundles]
+        assert pins == [{f"node:{addrs[node]}": NODE_PIN}] + [{}] * (len(bundles) - 1)
+        assert [{k: v for k, v in b.items() if not k.startswith("node:")} for b in bundles] == unpinned
+    assert 0 < NODE_PIN < 1
 
 
 def test_engine_spec_names_each_engines_bundle():

@@ -33,8 +33,21 @@ class ServedModel:
     draft_names: int  # mtp.* tensors
 
     def engine_kwargs(self) -> dict:
-        extra = {"limit_mm_per_prompt": {"image": 0, "video": 0}} if self.layout == "published" else {}
-        return {"model": str(self.path), "dtype": self.dtype, "extra_engine_args": extra}
+        """The engine arguments for this checkpoint. The published (0.23) tiny model is served without
+        prefix caching: with it, vLLM puts every ``Qwen3_5ForConditionalGeneration`` -- a hybrid class
+        -- in mamba cache mode "align" (``model_executor/models/config.py``, ``MambaModelConfig``), and
+        0.23's model runner then asserts on the first request that the model has mamba layers, which
+        this all-full-attention test model has not ("no mamba layers in the model",
+        ``v1/worker/mamba_utils.py`` ``get_mamba_groups``). A real Qwen3.5 has its Gated DeltaNet
+        layers; prefix caching and its reset on weight updates are tested on 0.32's text model."""
+        if self.layout == "text":
+            return {"model": str(self.path), "dtype": self.dtype, "extra_engine_args": {}}
+        return {
+            "model": str(self.path),
+            "dtype": self.dtype,
+            "extra_engine_args": {"limit_mm_per_prompt": {"image": 0, "video": 0}},
+            "enable_prefix_caching": False,
+        }
 
     def load_reference(self, path: Path | None = None):
         path = path or self.path

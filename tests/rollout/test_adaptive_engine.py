@@ -162,6 +162,33 @@ def test_engine_drafts_exactly_k(engines):
         assert stats["rollout/spec_accept_rate_pos0"] > 0.3  # the oracle drafter is accepted
         for pos in range(k, K_MAX):
             assert stats[f"rollout/spec_accept_rate_pos{pos}"] == 0.0, (k, pos)
+        # the samples' per-request statistics, pooled per context bucket (all prompts < 4K), agree
+        assert stats["rollout/spec_ctx_lt4k_drafts"] == stats["rollout/spec_drafts"]
+        assert [stats[f"rollout/spec_ctx_lt4k_accept_rate_pos{i}"] for i in range(k)] == pytest.approx(
+            [stats[f"rollout/spec_accept_rate_pos{i}"] for i in range(k)]
+        )
+        assert f"rollout/spec_ctx_lt4k_accept_rate_pos{k}" not in stats  # positions not drafted
+
+
+def test_engine_drafts_the_k_of_its_batchs_context_bucket(engines):
+    """A per-bucket table: every prompt here is < 4K, so the engine drafts the table's first entry."""
+
+    async def run():
+        async with RolloutClient([engines["good"]], max_retries=0) as client:
+            out = []
+            for k, table in ((1, [2, 0, 0, 0, 0]), (2, [0, 3, 3, 3, 3])):
+                await client.set_spec_k(k, table)
+                await client.step_metrics()
+                prompts = random_prompts(4, seed=k)
+                await _batch(client, prompts, max_tokens=16, temperature=1.0, ignore_eos=True)
+                out.append(await client.step_metrics())
+            await client.set_spec_k(K_MAX)
+            return out
+
+    deep, off = asyncio.run(run())
+    assert deep["rollout/spec_drafts"] > 0
+    assert deep["rollout/spec_draft_tokens"] == 2 * deep["rollout/spec_drafts"]
+    assert off["rollout/spec_drafts"] == 0 and off["rollout/generated_tokens"] == 4 * 16
 
 
 def test_sampling_stays_exact_at_a_runtime_k(engines, ref):

@@ -8,6 +8,7 @@ import pytest
 
 from areal_npu.config import ConfigError, load_config, validate_tree
 from areal_npu.launch.engines import launch_engines
+from areal_npu.rollout import vllm_features
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.speculation.config import MTP_ALIASES, SPEC_METHODS, SpecConfig
 
@@ -150,3 +151,39 @@ def test_method_names_exist_in_vllm():
     valid = set(flatten(speculative.SpeculativeMethod))
     assert set(SPEC_METHODS) <= valid
     assert set(MTP_ALIASES) <= set(flatten(speculative.MTPModelTypes))
+
+
+def test_without_speculation_the_engine_returns_the_sampled_distributions_logprobs():
+    """processed_logprobs: log_softmax of what vLLM samples from (temperature, top-k, top-p applied);
+    the values are checked against transformers in tests/rollout/test_engine.py."""
+    args = cfg().vllm_cli_args(8000)
+    want = "processed_logprobs" if vllm_features.processed_logprobs_checked() else "raw_logprobs"
+    assert args[args.index("--logprobs-mode") + 1] == want
+
+
+@pytest.mark.parametrize(
+    "device, key, value, used",
+    [("cpu", "gpu_memory_utilization", 0.5, "kv_cache_space_gib"),
+     ("npu", "kv_cache_space_gib", 4, "gpu_memory_utilization"),
+     ("cuda", "kv_cache_space_gib", 4, "gpu_memory_utilization")],
+)  # fmt: skip
+def test_the_other_devices_memory_key_is_refused(device, key, value, used):
+    """Each device family sizes its KV cache with one key; the engine never sees the other."""
+    c = cfg(device=device, **{key: value})
+    with pytest.raises(ConfigError) as err:
+        c.validate()
+    assert err.value.key == key and used in str(err.value)
+    c = cfg(device=device, **{used: {"kv_cache_space_gib": 4, "gpu_memory_utilization": 0.5}[used]})
+    c.validate()
+    seen = " ".join(c.vllm_cli_args(8000)) + json.dumps(c.engine_env())
+    assert ("VLLM_CPU_KVCACHE_SPACE" in seen) == (device == "cpu")
+    assert ("--gpu-memory-utilization 0.5" in seen) == (device != "cpu")
+
+
+def test_a_vllm_whose_processed_logprobs_are_unchecked_returns_raw_ones(monkeypatch):
+    from areal_npu.compat.vllm import features
+
+    monkeypatch.setattr(features, "installed_version", lambda: "0.23.0")
+    assert not vllm_features.processed_logprobs_checked()
+    args = cfg().vllm_cli_args(8000)
+    assert args[args.index("--logprobs-mode") + 1] == "raw_logprobs"

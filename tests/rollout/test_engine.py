@@ -30,7 +30,7 @@ import torch
 
 from areal_npu.compat.vllm import features as vllm_version
 from areal_npu.launch.engine_process import EngineProcess
-from areal_npu.rollout import guard
+from areal_npu.rollout import guard, vllm_features
 from areal_npu.rollout.client import RolloutClient
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.speculation.config import SpecConfig
@@ -112,12 +112,31 @@ async def _generate_all(engine, prompts, **kwargs):
     return results
 
 
+async def _generate_refused(engine, prompt, **kwargs):
+    async with RolloutClient([engine], max_retries=0) as client:
+        return [await client.generate(prompt, max_tokens=4, **kwargs)]
+
+
 def test_behaviour_logprobs_match_transformers(engines, ref, served):
     """Every sampled token's behaviour log-prob equals log p from a transformers forward (<= 1e-4
-    in float32; the bf16 tolerance on 0.23)."""
+    in float32; the bf16 tolerance on 0.23): without speculation, of the distribution sampled from
+    (logits / T, then top-k and top-p, renormalised); with speculation (raw log-probs), the model's own
+    at temperature 1, and a transformed distribution is refused (400, rollout/raw_sampling.py)."""
     prompts = random_prompts(4, seed=1)
     for name in ("spec", "plain"):
-        for params in (dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)):
+        for params in (
+            dict(temperature=1.0),
+            dict(temperature=0.7),
+            dict(temperature=0.7, top_p=0.9, top_k=20),
+        ):
+            processed = name == "plain" and vllm_features.processed_logprobs_checked()
+            if not processed and params != dict(temperature=1.0):  # raw log-probs would be wrong: refused
+                (result,) = asyncio.run(_generate_refused(engines[name], prompts[0], **params))
+                assert result.failed and "HTTP 400" in result.error, result.error
+                # top_k under speculation is refused first for the crash it causes (generation_routes.py)
+                assert "raw log-probs" in result.error or "top_k" in result.error, result.error
+                continue
+            sampled = params if processed else {}
             results = asyncio.run(
                 _generate_all(engines[name], prompts, max_tokens=24, n=2, ignore_eos=True, **params)
             )
@@ -126,13 +145,51 @@ def test_behaviour_logprobs_match_transformers(engines, ref, served):
                 for sample in result.samples:
                     assert len(sample.output_ids) == 24 and sample.finish_reason == "length"
                     assert sample.versions == [0] * 24
-                    expected = sequence_logprobs(ref, prompt, sample.output_ids)
+                    expected = sequence_logprobs(ref, prompt, sample.output_ids, **sampled)
                     got = torch.tensor(sample.logprobs, dtype=torch.float64)
                     assert torch.allclose(got, expected, atol=served.logprob_tol, rtol=0), (
                         name,
                         params,
                         got - expected,
                     )
+
+
+def test_the_trainer_scores_the_distribution_the_engine_sampled(engines, ref, served):
+    """At T = 0.7 without speculation, one distribution three ways on the same tokens: the plain
+    engine's behaviour log-probs, the FSDP2 trainer's log-probs at train.temperature 0.7, and the
+    transformers reference (logits / 0.7): π_behave and π_θ describe what was sampled."""
+    import copy
+
+    from areal_npu.data.sample import TrainSample
+    from areal_npu.model.mtp import MTPConfig
+    from areal_npu.train.config import TrainEngineConfig
+    from areal_npu.train.dist import init_distributed, shutdown_distributed
+    from areal_npu.train.fsdp2 import FSDPEngine
+
+    if served.layout != "text" or not vllm_features.processed_logprobs_checked():
+        pytest.skip("checked on vLLM 0.32 (the text layout, processed log-probs); 0.23 returns raw ones")
+    prompts = random_prompts(3, seed=4)
+    results = asyncio.run(
+        _generate_all(engines["plain"], prompts, max_tokens=16, temperature=0.7, ignore_eos=True)
+    )
+    init_distributed()
+    try:
+        config = TrainEngineConfig(temperature=0.7)
+        trainer = FSDPEngine(copy.deepcopy(ref), None, config, mtp_config=MTPConfig(enabled=False))
+        samples = []
+        for prompt, result in zip(prompts, results, strict=True):
+            ids = prompt + result.samples[0].output_ids
+            samples.append(TrainSample(torch.tensor(ids), torch.arange(len(ids)) >= len(prompt)))
+        scored = trainer.compute_logprobs(samples)
+    finally:
+        shutdown_distributed()
+    for prompt, result, lp in zip(prompts, results, scored, strict=True):
+        sample = result.samples[0]
+        expected = sequence_logprobs(ref, prompt, sample.output_ids, temperature=0.7)
+        behave = torch.tensor(sample.logprobs, dtype=torch.float64)
+        assert torch.allclose(behave, expected, atol=served.logprob_tol, rtol=0), behave - expected
+        assert torch.allclose(lp[len(prompt) :].double(), expected, atol=served.logprob_tol, rtol=0)
+        assert not torch.allclose(expected, sequence_logprobs(ref, prompt, sample.output_ids), atol=1e-2)
 
 
 def test_greedy_identical_with_and_without_speculation(engines, ref, served):
@@ -238,7 +295,12 @@ def test_openai_endpoint_and_request_validation(engines, model_dir):
     assert result.failed and "top_k" in result.error and result.attempts == 1
     assert spec.healthy()
     (result,) = asyncio.run(_try(engines["plain"], top_k=5))
-    assert not result.failed
+    assert result.failed != vllm_features.processed_logprobs_checked()  # raw log-probs (0.23): refused
+    # log-probs of a tempered distribution from an engine that returns raw ones: refused (raw_sampling.py)
+    tempered = {**body, "temperature": 0.7, "logprobs": 0}
+    headers = guard.auth_headers(spec.secret)
+    response = httpx.post(spec.url + "/v1/completions", json=tempered, timeout=60, headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature", response.text
 
 
 async def _try(engine, **kwargs):

@@ -27,17 +27,21 @@ LIMITS = guard.BodyLimits(bucket=64 << 10, other=8 << 10)
 
 class FakeEngine:
     """Records every call the routes make; generates two tokens per sample. ``failing``: worker
-    methods (``collective_rpc`` names) that raise."""
+    methods (``collective_rpc`` names) that raise; ``prefix_reset``: what ``reset_prefix_cache``
+    answers (vLLM: True when the cache was reset)."""
 
     def __init__(self):
         self.calls = []
         self.failing: set[str] = set()
+        self.prefix_reset = True
 
     def __getattr__(self, name):
         async def record(*args, **kwargs):
             self.calls.append((name, args, kwargs))
             if name == "collective_rpc" and args[0] in self.failing:
                 raise RuntimeError(f"{args[0]} failed")
+            if name == "reset_prefix_cache":
+                return self.prefix_reset
             return [7] if name == "collective_rpc" else None
 
         return record
@@ -65,7 +69,9 @@ def engine():
 @pytest.fixture
 def http(engine, tmp_path, monkeypatch):
     monkeypatch.setenv(k_driver.ENV_FILE, str(tmp_path / "k"))
-    cfg = RolloutConfig(spec=SpecConfig(method="mtp", num_speculative_tokens=K_MAX, adaptive=True))
+    cfg = RolloutConfig(
+        enable_prefix_caching=True, spec=SpecConfig(method="mtp", num_speculative_tokens=K_MAX, adaptive=True)
+    )
     cfg.spec.validate()  # as the engine process does (server.main)
     app = FastAPI()
     app.include_router(server.make_router(engine_state.EngineState(engine, cfg)))
@@ -114,6 +120,7 @@ BAD = [
     ("/areal/spec_k", {}, "k"),
     ("/areal/spec_k", {"k": "2"}, "k"),
     ("/areal/spec_k", {"k": K_MAX + 1}, "k"),
+    ("/areal/spec_k", {"k": 1, "by_context": [K_MAX + 1]}, "by_context"),
     ("/areal/update_weights/begin", {"version": 1}, "version"),
     ("/areal/update_weights/bucket?target=critic", b"\x00" * 8, "target"),
     ("/areal/update_weights/bucket", b"", "body"),
@@ -185,8 +192,10 @@ def test_good_weight_update_is_staged_then_applied_at_the_commit(http, engine):
         "pause_generation",
         "areal_begin_update", "areal_load_bucket", "areal_finish_update",  # policy
         "areal_begin_update", "areal_load_bucket", "areal_finish_update",  # drafter
+        "reset_prefix_cache",  # after the last tensor, before anything runs again
         "resume_generation",
     ]  # fmt: skip
+    assert engine.calls[-2][2] == {"reset_running_requests": True}  # frozen requests hold blocks
     assert http.get("/areal/version").json()["version"] == 4
     assert http.post("/areal/spec_k", json={"k": 0}).json() == {"k": 0}
 
@@ -234,7 +243,7 @@ def test_a_failed_broadcast_keeps_the_engine_paused_until_a_whole_update(http, e
     http.post("/areal/update_weights/bucket", content=bucket(a=1, b=2))
     response = http.post("/areal/update_weights/commit", json={"version": 1, "expect": {"policy": 2}})
     assert response.status_code == 200
-    assert engine.names()[-1] == "resume_generation"
+    assert engine.names()[-2:] == ["reset_prefix_cache", "resume_generation"]
     state = http.get("/areal/version").json()
     assert state["version"] == 1 and state["dirty"] is None
     assert http.post("/areal/generate", json={"input_ids": [1]}).status_code == 200
@@ -249,6 +258,57 @@ def test_a_failed_apply_at_the_commit_leaves_the_engine_paused(http, engine):
     assert engine.names()[0] == "pause_generation" and "resume_generation" not in engine.names()
     state = http.get("/areal/version").json()
     assert state["version"] == 0 and "applying the update failed" in state["dirty"]
+
+
+def test_a_broadcast_commit_resets_the_prefix_cache_before_resuming(http, engine):
+    http.post("/areal/update_weights/begin", json={})
+    for target in ("policy", "draft"):
+        body = {"target": target, "layout": LAYOUT}
+        assert http.post("/areal/update_weights/collective/bucket", json=body).status_code == 200
+    assert "reset_prefix_cache" not in engine.names()  # nothing is reset before the last tensor
+    commit = {"version": 2, "expect": {"policy": 7, "draft": 7}}  # the fake worker loads 7 tensors a bucket
+    response = http.post("/areal/update_weights/commit", json=commit)
+    assert response.status_code == 200, response.text
+    assert engine.names() == [
+        "pause_generation",
+        "areal_begin_update", "areal_receive_bucket", "areal_finish_update",  # policy
+        "areal_begin_update", "areal_receive_bucket", "areal_finish_update",  # drafter, closed by the commit
+        "reset_prefix_cache",
+        "resume_generation",
+    ]  # fmt: skip
+
+
+def test_a_prefix_cache_vllm_did_not_reset_fails_the_commit_and_keeps_the_engine_paused(http, engine):
+    engine.prefix_reset = False  # vLLM's answer while some request still holds cache blocks
+    http.post("/areal/update_weights/begin", json={})
+    http.post("/areal/update_weights/bucket", content=bucket(a=1))
+    response = http.post("/areal/update_weights/commit", json={"version": 1, "expect": {"policy": 1}})
+    assert response.status_code == 500 and "did not reset its prefix cache" in response.json()["detail"]
+    assert "resume_generation" not in engine.names()
+    state = http.get("/areal/version").json()
+    assert state["version"] == 0 and "prefix cache" in state["dirty"]
+    assert http.post("/areal/generate", json={"input_ids": [1]}).status_code == 503
+    assert http.post("/areal/resume", json={}).status_code == 409
+    engine.prefix_reset = True  # the trainer's retry: the whole update again, and this time the reset holds
+    http.post("/areal/update_weights/begin", json={})
+    http.post("/areal/update_weights/bucket", content=bucket(a=1))
+    response = http.post("/areal/update_weights/commit", json={"version": 1, "expect": {"policy": 1}})
+    assert response.status_code == 200
+    assert engine.names()[-2:] == ["reset_prefix_cache", "resume_generation"]
+    state = http.get("/areal/version").json()
+    assert state["version"] == 1 and state["dirty"] is None
+
+
+def test_without_prefix_caching_a_commit_resets_nothing(engine):
+    cfg = RolloutConfig(enable_prefix_caching=False)
+    app = FastAPI()
+    app.include_router(server.make_router(engine_state.EngineState(engine, cfg)))
+    http = TestClient(app, raise_server_exceptions=False)
+    http.post("/areal/update_weights/begin", json={})
+    http.post("/areal/update_weights/bucket", content=bucket(a=1))
+    response = http.post("/areal/update_weights/commit", json={"version": 1, "expect": {"policy": 1}})
+    assert response.status_code == 200
+    assert "reset_prefix_cache" not in engine.names() and engine.names()[-1] == "resume_generation"
 
 
 def _routes():

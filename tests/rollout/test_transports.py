@@ -88,9 +88,17 @@ def _start_group(world: int, layouts: list, tmp_path: Path, timeout_s: float = 6
     info = collective.GroupInfo("gloo", "127.0.0.1", listen.getsockname()[1], "t" * 32, world, 1, timeout_s)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RECEIVER, json.dumps(info.to_dict()), str(rank),
-             json.dumps(layouts), str(tmp_path / f"rank{rank}.pt")],
-            cwd=ROOT, stderr=open(tmp_path / f"rank{rank}.stderr", "w"),  # noqa: SIM115 - the child's
+            [
+                sys.executable,
+                "-c",
+                RECEIVER,
+                json.dumps(info.to_dict()),
+                str(rank),
+                json.dumps(layouts),
+                str(tmp_path / f"rank{rank}.pt"),
+            ],
+            cwd=ROOT,
+            stderr=open(tmp_path / f"rank{rank}.stderr", "w"),  # noqa: SIM115 - the child's
         )  # fmt: skip
         for rank in range(1, world)
     ]
@@ -110,7 +118,9 @@ def test_gloo_broadcast_from_the_trainer_to_receiver_processes_policy_and_drafte
     codes = [p.wait(timeout=120) for p in procs]
     assert codes == [0, 0], [(tmp_path / f"rank{r}.stderr").read_text()[-2000:] for r in (1, 2)]
     for rank in (1, 2):
-        assert not (tmp_path / f"rank{rank}.pt.error").exists(), (tmp_path / f"rank{rank}.pt.error").read_text()
+        assert not (tmp_path / f"rank{rank}.pt.error").exists(), (
+            tmp_path / f"rank{rank}.pt.error"
+        ).read_text()
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert list(got) == [n for n, _ in tensors]
         for name, want in tensors:
@@ -238,18 +248,18 @@ def test_the_controller_saves_a_checkpoint_then_stops_when_the_sync_fails(tmp_pa
         save_checkpoint=lambda path, extra, tokenizer: saved.append((path, extra)),
     )
     controller = SimpleNamespace(
-        engine=engine, weight_bucket_bytes=1 << 20, sync_draft=True, run_dir=tmp_path, tokenizer=None,
+        engine=engine, sync_draft=True, run_dir=tmp_path, tokenizer=None,
         weight_sync=WeightSync(FlakyTransport([{0: "down"}] * 3), Restarts(), retries=1),
-        last_named=None, version=6, version_event=asyncio.Event(),
+        pushed=False, version=6, version_event=asyncio.Event(),
     )  # fmt: skip
     with pytest.raises(WeightSyncFailed) as err:
         asyncio.run(RLController.push_weights(controller, step=3))
     assert saved == [(tmp_path / "checkpoints", {"step": 3})]
     assert "the run stops" in str(err.value) and "step 3" in str(err.value)
-    assert controller.version == 6 and controller.last_named is None  # the engines do not serve 7
+    assert controller.version == 6 and not controller.pushed  # the engines do not serve 7
     controller.weight_sync = WeightSync(FlakyTransport([]), Restarts())
     asyncio.run(RLController.push_weights(controller, step=4))
-    assert controller.version == 7 and controller.last_named is not None
+    assert controller.version == 7 and controller.pushed
 
 
 def test_make_transport_per_config():

@@ -13,7 +13,13 @@ Two engines serve the same checkpoint with MTP speculation (so both hold a draft
 3. An engine killed during a sync, by RPC buckets and by broadcast: the sync restarts it and
    re-syncs, every engine ends on the new version, and no token was generated from partly loaded
    weights: every token carries a version that was committed whole, and its log-prob is the one
-   transformers computes with that version's weights.
+   transformers computes with that version's weights. The weights go as a stream (a
+   ``WeightStream``, as the trainer's export: each tensor a fresh copy when drawn), which every try
+   draws again, and to its end: the try the kill broke included.
+4. Prefix caching (on, the default) never serves a prefix cached under the previous version: a long
+   prompt repeated hits vLLM's prefix cache; after an update by RPC buckets, and again after one by
+   broadcast, the same prompt misses it and gets the new weights' log-probs (transformers), not the
+   old ones; repeated under the new version it hits again.
 
 Every new version perturbs every tensor (``perturbed``), so an engine holding some buckets of an
 update and not others would match no version's log-probs.
@@ -36,7 +42,9 @@ from areal_npu.rollout import guard
 from areal_npu.rollout.client import RolloutClient
 from areal_npu.rollout.config import RolloutConfig
 from areal_npu.rollout.transports import RpcTransport, WeightSync, make_transport
+from areal_npu.rollout.weight_stream import WeightStream
 from areal_npu.speculation.config import SpecConfig
+from areal_npu.testing import prefix_cache
 from areal_npu.testing.reference import random_prompts, sequence_logprobs
 from areal_npu.testing.synthetic import load_tensors, save_tensors
 from tests.rollout.engine_models import save_engine_model
@@ -57,7 +65,7 @@ def versions(served, tmp_path_factory):
     base = load_tensors(served.path)
     out = {0: (base, served.load_reference())}
     root = tmp_path_factory.mktemp("versions")
-    for v in (1, 2, 3):
+    for v in (1, 2, 3, 4, 5):
         tensors = perturbed(base, seed=v)
         out[v] = (tensors, served.load_reference(save_tensors(root / f"v{v}", served.path, tensors)))
     return out
@@ -289,6 +297,13 @@ def test_an_engine_killed_during_a_sync_is_restarted_resynced_and_nothing_half_l
     cfg = RolloutConfig(model="m", device="cpu", weight_transport=transport_name, request_timeout_s=300)
     tensors = list(versions[new][0].items())
     restarts_before = engines[1].restarts
+    drawn: list[int] = []  # per iteration of the stream: the tensors drawn
+
+    def export():  # what the trainer's export yields: a copy made when drawn, nothing kept
+        drawn.append(0)
+        for name, tensor in tensors:
+            drawn[-1] += 1
+            yield name, tensor.clone()
 
     async def run():
         async with RolloutClient(engines, max_retries=6, bucket_bytes=1 << 15) as client:
@@ -301,7 +316,7 @@ def test_an_engine_killed_during_a_sync_is_restarted_resynced_and_nothing_half_l
             ]
             await asyncio.sleep(1.0)  # requests in flight on both engines
             seen = _kill_at(client, 1, 3, engines)
-            result = await sync.push(tensors, new)
+            result = await sync.push(WeightStream(export), new)
             later = [
                 asyncio.create_task(client.generate(p, max_tokens=24, temperature=1.0, ignore_eos=True))
                 for p in random_prompts(6, seed=20 + new)
@@ -320,8 +335,57 @@ def test_an_engine_killed_during_a_sync_is_restarted_resynced_and_nothing_half_l
         assert "engine 0" in result["failures"][0] and "engine 1" in result["failures"][0]
     assert [_version(e)[1]["version"] for e in engines] == [new, new]
     assert all(_version(e)[1]["dirty"] is None for e in engines)
+    # every try that started drawing drew it all (a broadcast's failed try drains it), the first too
+    assert drawn and drawn == [len(tensors)] * len(drawn) and len(drawn) <= result["tries"]
     # engine 1 restarted from the checkpoint (version 0) before its re-sync: 0 is a whole version too
     checked = _check_tokens(done, versions, {0, old, new}, served.logprob_tol)
     assert checked > 100
     finished_new = [r for r in done[-6:] if not r.failed]
     assert finished_new and all(r.samples[0].versions == [new] * 24 for r in finished_new)
+
+
+LONG_PROMPT = [int(t) for t in torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(7))]
+
+
+@pytest.mark.parametrize("transport_name,new", [("rpc", 4), ("gloo", 5)])
+def test_a_prefix_cached_under_one_version_is_never_served_at_the_next(
+    engines, versions, served, transport_name, new
+):
+    """One engine; the prompt is 600 tokens (vLLM caches whole 128-token blocks of it)."""
+    if not engines[0].cfg.enable_prefix_caching:
+        pytest.skip("the published-layout test model is served without prefix caching (engine_models.py)")
+    engine = engines[0]
+    assert RolloutConfig(model="m").enable_prefix_caching  # the default
+    old = _version(engine)[1]["version"]  # whatever the tests above left (each version's weights are known)
+    cfg = RolloutConfig(model="m", device="cpu", weight_transport=transport_name, request_timeout_s=300)
+
+    async def greedy(client):
+        before = prefix_cache.read(engine)
+        result = await client.generate(LONG_PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert not result.failed, result.error
+        return result.samples[0], prefix_cache.delta(before, prefix_cache.read(engine))
+
+    async def run():
+        async with RolloutClient([engine], max_retries=0, bucket_bytes=1 << 16) as client:
+            first, _ = await greedy(client)
+            repeat, repeat_cache = await greedy(client)
+            await make_transport(cfg, client).update(list(versions[new][0].items()), version=new)
+            after, after_cache = await greedy(client)
+            again, again_cache = await greedy(client)
+            return first, repeat, repeat_cache, after, after_cache, again, again_cache
+
+    first, repeat, repeat_cache, after, after_cache, again, again_cache = asyncio.run(run())
+    tol = served.logprob_tol
+    assert repeat.versions == [old] * 8 and after.versions == again.versions == [new] * 8
+    for sample, version in ((first, old), (repeat, old), (after, new), (again, new)):
+        expected = sequence_logprobs(versions[version][1], LONG_PROMPT, sample.output_ids)
+        got = torch.tensor(sample.logprobs, dtype=torch.float64)
+        assert torch.allclose(got, expected, atol=tol, rtol=0), (version, (got - expected).abs().max())
+    # the old weights' answer for the same tokens is far from what was served: the check above can tell
+    stale = sequence_logprobs(versions[old][1], LONG_PROMPT, after.output_ids)
+    assert (stale - torch.tensor(after.logprobs, dtype=torch.float64)).abs().max() > 100 * tol
+    # vLLM's own counters (tokens looked up / found): the repeat hit, the first request after the
+    # commit found nothing, the next one hit what that one cached under the new weights
+    assert repeat_cache["queries"] == len(LONG_PROMPT) and repeat_cache["hits"] >= 256
+    assert after_cache["queries"] == len(LONG_PROMPT) and after_cache["hits"] == 0
+    assert again_cache["hits"] >= 256

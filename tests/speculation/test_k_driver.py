@@ -150,12 +150,17 @@ def test_adaptive_engine_arguments():
         (adaptive(adapt={"k_init": 3}), 3),
         (SpecConfig(method="mtp", num_speculative_tokens=3), 3),  # a fixed k throughout
         (SpecConfig(), 0),
-        (SpecConfig(num_speculative_tokens=3), 0),  # no method: speculation is off
     ],
 )
 def test_the_draft_length_an_engine_starts_with(spec, k):
     spec.validate()
     assert spec.k_at_start == k
+
+
+def test_a_draft_length_without_a_method_is_refused():
+    """No method: speculation is off, so a draft length would be accepted and ignored."""
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        SpecConfig(num_speculative_tokens=3).validate()
 
 
 def test_adapt_is_resolved_by_validate_into_typed_settings():

@@ -170,3 +170,10 @@ def test_recommend_k_turns_speculation_off_when_it_does_not_pay():
 def test_draft_cost_from_speedup_rejects_inconsistent_numbers():
     with pytest.raises(ValueError, match="^gen_speedup"):
         draft_cost_from_speedup(accepted_len=1.5, gen_speedup=2.0, k=3)
+
+
+def test_a_name_that_is_not_a_phase_is_refused_not_counted_as_zero():
+    # NeMo-RL calls the proximal log-prob phase "logprob"; here it is "prox": the sum must not drop it
+    assert pl.step_time({"gen": 6.0, "prox": 2.0, "train": 2.0}) == 10.0
+    with pytest.raises(ValueError, match="logprob"):
+        pl.step_time({"gen": 6.0, "logprob": 2.0, "train": 2.0})

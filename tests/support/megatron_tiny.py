@@ -106,8 +106,8 @@ def save_tiny_qwen3_checkpoint(out_dir, seed: int = 3, **overrides):
 
 @torch.no_grad()
 def full_logits(engine, seqs):
-    """Per-sequence logits from the model's own output layer: vocab shards gathered over TP, zigzag
-    shares gathered over CP."""
+    """Per-sequence logits (on the CPU) from the model's own output layer, fed on the engine's
+    device: vocab shards gathered over TP, zigzag shares gathered over CP."""
     import torch.distributed as dist
 
     from areal_npu.data.context_parallel import cp_gather
@@ -116,7 +116,7 @@ def full_logits(engine, seqs):
 
     cfg = engine.config.megatron
     batch = pack_sequences(seqs, alignment=engine.config.packing.alignment, cp_size=cfg.cp_size)
-    mb = to_megatron(batch, {}, cfg.cp_size, engine.cp_rank, engine.cp_group)
+    mb = to_megatron(batch, {}, cfg.cp_size, engine.cp_rank, engine.cp_group, engine.device)
     engine.module.eval()
     local = engine.module(mb.input_ids[None], mb.position_ids[None], None, packed_seq_params=mb.params)[0]
     if cfg.tp_size > 1:
@@ -127,7 +127,7 @@ def full_logits(engine, seqs):
         parts = [torch.empty_like(local) for _ in range(cfg.cp_size)]
         dist.all_gather(parts, local.contiguous(), group=engine.cp_group)
         local = cp_gather(parts, batch.cu_seqlens)
-    return unpack_per_token(local, batch)
+    return unpack_per_token(local.cpu(), batch)
 
 
 def ppo_step(engine, samples, hf_grads=None):
@@ -181,3 +181,31 @@ def tiny_qwen35(seed: int = 3, **overrides):
                 if "norm" in name or "A_log" in name or "dt_bias" in name:
                     p.add_(0.2 * torch.randn_like(p))
     return config, lm, head
+
+
+def optimizer_state_by_hand(engine) -> dict:
+    """{state: {HF name: full fp32 tensor}} of the policy group's masters and AdamW moments on this
+    pipeline stage (global layer indices) and ``step``, gathered here without the checkpoint code:
+    every rank's flat buffer all-gathered over DP x CP, unflattened and un-sharded over TP
+    (:func:`convert.unshard`, the export's mapping). Collective."""
+    import torch.distributed as dist
+
+    from areal_npu.train.megatron import convert
+
+    opt, g = engine.optimizer, engine.optimizer.groups[0]
+    tp = engine.config.megatron.tp_size
+    out = {}
+    for state in ("master", "exp_avg", "exp_avg_sq"):
+        local = g.master.detach() if state == "master" else opt.optimizer.state[g.master][state]
+        full = torch.empty(g.shard * opt.world)
+        dist.all_gather_into_tensor(full, local.contiguous(), group=opt.group)
+        named = g.unflatten(full)
+        out[state] = {}
+        for rule in convert.rules(engine.shape, engine.stage):
+            shards = [torch.empty_like(named[rule.mcore]) for _ in range(tp)]
+            dist.all_gather(shards, named[rule.mcore].contiguous(), group=engine.tp_group)
+            out[state].update(
+                zip(rule.hf, convert.unshard(rule.kind, shards, engine.shape, state != "master"))
+            )
+    out["step"] = float(opt.optimizer.state[g.master]["step"])
+    return out

@@ -26,3 +26,24 @@ def start_processes(fn, args: tuple, nprocs: int, join: bool = True):
     """``torch.multiprocessing.start_processes`` with ``forkserver`` ranks (see the module docstring)."""
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call)
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
+def run_ranks(fn, args: tuple, nprocs: int, timeout_s: float = 300) -> list[int]:
+    """:func:`start_processes` without joining: waits up to ``timeout_s`` for each rank, kills any left
+    running (a rank waiting for one that stopped fails the test instead of hanging CI) and returns
+    the exit codes."""
+    context = start_processes(fn, args=args, nprocs=nprocs, join=False)
+    for proc in context.processes:
+        proc.join(timeout_s)
+    alive = [p.pid for p in context.processes if p.is_alive()]
+    for proc in context.processes:
+        if proc.is_alive():
+            proc.kill()
+    assert not alive, f"rank processes {alive} still running: a rank waits for one that stopped"
+    return [p.exitcode for p in context.processes]
+
+
+def optim_writers(step) -> dict[str, set[int]]:
+    """The ranks that wrote each optimizer state of a Megatron checkpoint (DCP files ``__<rank>_<n>.distcp``)."""
+    return {d.name: {int(p.name.split("_")[2]) for p in d.glob("*.distcp")} for d in (step / "optim").iterdir()
+            if d.is_dir()}  # fmt: skip

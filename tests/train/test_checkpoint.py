@@ -1,13 +1,13 @@
-"""Checkpoints written by the real engine carry a manifest (checked against hashlib here), and
+"""Checkpoints written by the real engine carry a manifest (checked against zlib here), and
 ``--resume`` falls back from a damaged checkpoint to the newest intact one, or stops with exit 2
 naming the broken file."""
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -40,7 +40,7 @@ def root(written, tmp_path):
     return copy
 
 
-def test_manifest_lists_every_file_with_its_size_and_sha256(root):
+def test_manifest_lists_every_file_with_its_size_and_crc32(root):
     step = root / "step_2"
     manifest = json.loads((step / "manifest.json").read_text())
     on_disk = {
@@ -51,9 +51,11 @@ def test_manifest_lists_every_file_with_its_size_and_sha256(root):
     }
     assert set(manifest["files"]) == on_disk
     assert {"model.safetensors", "optim.pt", "trainer_state.json", "config.json", "rng_rank0.pt"} <= on_disk
+    for state in ("master", "exp_avg", "exp_avg_sq"):  # the sharded fp32 state (one rank here)
+        assert {f"optim/{state}/.metadata", f"optim/{state}/__0_0.distcp"} <= on_disk
     for name, entry in manifest["files"].items():
         data = (step / name).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
 
 
 def test_intact_latest_is_resumed_without_warnings(root):
@@ -87,7 +89,17 @@ def test_corrupted_bytes_of_the_same_size_are_caught(root):
     _flip_a_byte(root / "step_2" / "optim.pt")
     warnings = []
     assert checkpoint_to_resume(root, warnings.append) == root / "step_1"
-    assert str(root / "step_2" / "optim.pt") in warnings[0] and "SHA-256" in warnings[0]
+    assert str(root / "step_2" / "optim.pt") in warnings[0] and "CRC-32" in warnings[0]
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_a_byte])
+def test_a_damaged_optimizer_shard_falls_back_to_the_previous_checkpoint(root, damage):
+    """The FSDP2 engine's sharded state: each rank's DCP shard of the parameters and moments."""
+    shard = root / "step_2" / "optim" / "exp_avg" / "__0_0.distcp"
+    damage(shard)
+    warnings = []
+    assert checkpoint_to_resume(root, warnings.append) == root / "step_1"
+    assert str(shard) in warnings[0]
 
 
 def test_no_intact_checkpoint_is_a_config_error_naming_each_broken_file(root):

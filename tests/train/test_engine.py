@@ -14,12 +14,14 @@ from areal_npu.data.sample import TrainSample
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.model.tiny import TinyModelConfig, build_tiny_model
 from areal_npu.platform import current_platform
+from areal_npu.testing.reference import sequence_logprobs
 from areal_npu.train.checkpoint import latest_checkpoint
 from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.dist import init_distributed, process_group
 from areal_npu.train.fsdp2 import FSDPEngine
 from areal_npu.train.losses import PPOLoss, SFTLoss
 from areal_npu.train.optim import OptimConfig
+from tests.support.device import float32_grad_tolerance
 from tests.support.ranks import start_processes
 
 TINY = TinyModelConfig(
@@ -55,7 +57,9 @@ def make_samples(n=5, seed=0):
             TrainSample(
                 input_ids=ids,
                 loss_mask=mask,
-                behave_logp=torch.where(mask, -5.8 + 0.3 * torch.randn(p + r, generator=g), torch.zeros(p + r)),
+                behave_logp=torch.where(
+                    mask, -5.8 + 0.3 * torch.randn(p + r, generator=g), torch.zeros(p + r)
+                ),
                 versions=torch.where(mask, torch.full((p + r,), 0), torch.full((p + r,), -1)),
                 advantage=torch.tensor(float(torch.randn((), generator=g))),
             )
@@ -63,11 +67,13 @@ def make_samples(n=5, seed=0):
     return samples
 
 
-def make_engine(cap=24, mtp=False, lr=1e-2, adam_eps=1e-8):
+def make_engine(cap=24, mtp=False, lr=1e-2, adam_eps=1e-8, temperature=1.0):
     lm, head, _ = build_tiny_model(TINY)
     reference = copy.deepcopy(lm)
     optim = OptimConfig(lr=lr, grad_clip=0.0, eps=adam_eps)
-    cfg = TrainEngineConfig(packing=PackingConfig(max_tokens_per_mb=cap), optim=optim)
+    cfg = TrainEngineConfig(
+        packing=PackingConfig(max_tokens_per_mb=cap), optim=optim, temperature=temperature
+    )
     mtp_cfg = MTPConfig(enabled=mtp, train=mtp)
     engine = FSDPEngine(lm, head if mtp else None, cfg, mtp_config=mtp_cfg)
     return engine, reference
@@ -106,23 +112,6 @@ def full_grads(engine):
     }
 
 
-def float32_grad_tolerance(device: torch.device) -> dict:
-    """How far the engine's float32 gradients may be from the float64 unpacked reference.
-
-    CPU: the sums differ from the reference only in grouping; measured error <= 3e-7 against
-    max |grad| ~ 0.35 on these gradients, so rtol=1e-4, atol=1e-6 is strict and stays so.
-    CUDA: the embedding backward adds the rows of repeated tokens with atomicAdd in no fixed order,
-    cuBLAS and SDPA split their reductions differently, and TF32 (off by PyTorch's default, but one
-    ``torch.backends.cuda.matmul.allow_tf32 = True`` away) rounds matmul inputs to 10 mantissa
-    bits; ``embed_tokens`` rows whose terms nearly cancel went past atol=1e-6 on an H200. The CUDA
-    bound is the one of the GPU test (tests/train/test_engine_cuda.py): rtol=1e-3, atol=1e-5. It
-    still catches packing bugs: dropping one loss token moves these gradients by 2e-2 to 2e-1.
-    """
-    if device.type == "cpu":
-        return {"rtol": 1e-4, "atol": 1e-6}
-    return {"rtol": 1e-3, "atol": 1e-5}
-
-
 def test_logprobs_loss_and_grads_match_unpacked_reference():
     engine, reference = make_engine(cap=24)
     samples = make_samples()
@@ -143,6 +132,19 @@ def test_logprobs_loss_and_grads_match_unpacked_reference():
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads["lm." + name], param.grad, **tolerance, msg=name)
     assert stats[N.BEHAVE_IMP_WEIGHT_MEAN] > 0 and stats[N.VERSION_LAG_MAX] == 0
+
+
+def test_logprobs_at_a_temperature_are_the_sampled_distributions():
+    """train.temperature = T: the trainer's log-prob of each token is log_softmax(z / T) of an
+    unpacked transformers forward -- the reference the engines' behaviour log-probs are checked
+    against (tests/rollout/test_engine.py), so π_θ and π_behave describe the same distribution."""
+    engine, reference = make_engine(cap=24, temperature=0.7)
+    samples = make_samples()
+    for s, lp in zip(samples, engine.compute_logprobs(samples), strict=True):
+        ids = s.input_ids.tolist()
+        want = sequence_logprobs(reference, ids[:1], ids[1:], temperature=0.7)
+        torch.testing.assert_close(lp[1:].double(), want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(want, sequence_logprobs(reference, ids[:1], ids[1:]), atol=1e-2)
 
 
 def test_nonfinite_input_is_caught_and_nothing_is_applied():

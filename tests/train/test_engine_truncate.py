@@ -21,9 +21,9 @@ from areal_npu.train.dist import init_distributed
 from areal_npu.train.fsdp2 import FSDPEngine
 from areal_npu.train.losses import PPOLoss, SFTLoss
 from areal_npu.train.optim import OptimConfig
+from tests.support.device import float32_grad_tolerance
 from tests.train.test_engine import (
     TINY,
-    float32_grad_tolerance,
     full_grads,
     make_samples,
     naive_decoupled_loss,

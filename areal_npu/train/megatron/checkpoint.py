@@ -1,43 +1,37 @@
 """Atomic, resumable checkpoints of the Megatron engine, in the FSDP2 engine's directory layout.
 
-``<root>/step_<N>/`` holds a Hugging Face checkpoint (``config.json``, ``model.safetensors`` under HF
-names: what vLLM and transformers load, whatever the TP layout; written from the fp32 masters),
-``optim.pt`` (the layout and the list of optimizer shards), ``optim_tp<t>_dp<r>.pt`` (TP rank
-``t`` and DP x CP rank ``r``'s slices of the AdamW moments; ``optim_pp<p>_tp<t>_dp<r>.pt`` with
-pipeline stages,
-:meth:`.precision.MasterOptimizer.state_shard`, with the Megatron parameter names of its flat
-layout), ``trainer_state.json`` (version, scheduler, the caller's ``extra``),
-``rng_rank<r>.pt`` and, written last, ``manifest.json`` (:mod:`areal_npu.train.manifest`), through the
-directory protocol of :func:`areal_npu.train.checkpoint.write_checkpoint` (temporary directory renamed
-into place when complete, then ``latest``), so ``checkpoint_to_resume`` works unchanged.
+``<root>/step_<N>/`` holds a Hugging Face checkpoint (``config.json``, the weights under HF names in
+the published layout: ``model.safetensors`` or shards of at most ``max_shard_bytes`` with
+``model.safetensors.index.json``; what vLLM and transformers load, whatever the TP layout; streamed
+tensor by tensor from the compute-dtype params, gathered over TP one tensor at a time), ``optim/``
+(the fp32 masters and AdamW moments, each rank writing the slices it owns: :mod:`.dist_optim`),
+``optim.pt`` (the layout, AdamW's step counts and hyper-parameters), ``trainer_state.json``
+(version, scheduler, the caller's ``extra``), ``rng_rank<r>.pt`` and, written last,
+``manifest.json`` (:mod:`areal_npu.train.manifest`), through the directory protocol of
+:func:`areal_npu.train.checkpoint.write_checkpoint` (temporary directory renamed into place when
+complete, then ``latest``), so ``checkpoint_to_resume`` works unchanged.
 
-Weights load into any TP layout (they are HF tensors) and become the fp32 masters; the optimizer
-state is per TP shard and pipeline stage, so a resume must keep ``tp_size`` and ``pp_size`` (refused
-otherwise, naming both sizes),
-but not the DP x CP size: each rank reads every saved slice of its TP shard and re-slices them
-(:meth:`.precision.MasterOptimizer.load_state_shards`).
+A resume reads the masters and moments of its own ranges from ``optim/`` whatever the TP, DP x CP
+and pipeline layout that saved them (resharding: the keys carry global layer indices; the pipeline
+refuses the MTP head and tied embeddings, so every stage has one parameter group with the same step).
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from areal_npu.data.buckets import iter_kind_buckets
-from areal_npu.names import MTP_PREFIX
 from areal_npu.train.base import check_export_kinds
-from areal_npu.train.checkpoint import read_trainer_state, write_checkpoint
+from areal_npu.train.checkpoint import OPTIM_DIR, read_trainer_state, write_checkpoint
 from areal_npu.train.megatron import convert
-from areal_npu.train.megatron.mtp import MTP_MODULE, mtp_hf_to_mcore, mtp_mcore_to_hf
+from areal_npu.train.megatron.dist_optim import load_optimizer_state, save_optimizer_state
+from areal_npu.train.megatron.mtp import mtp_mcore_to_hf
 
 __all__ = ["export_buckets", "load_checkpoint", "save_checkpoint", "write_hf_checkpoint"]
-
-
-def _shard_file(tp_rank: int, dp_cp_rank: int, stage=None) -> str:
-    pp = f"pp{stage.rank}_" if stage is not None and stage.size > 1 else ""
-    return f"optim_{pp}tp{tp_rank}_dp{dp_cp_rank}.pt"
 
 
 def export_buckets(engine, bucket_bytes: int, kinds):
@@ -62,14 +56,26 @@ def export_buckets(engine, bucket_bytes: int, kinds):
     yield from iter_kind_buckets(named(), bucket_bytes)
 
 
-def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, tensors: dict | None = None) -> Path:
+def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, max_shard_bytes=None) -> Path:
     """The weights as a Hugging Face checkpoint in the layout the model came from (``config.json``,
-    ``model.safetensors``, a published checkpoint's vision tower and processor files, the tokenizer).
-    Collective unless ``tensors`` (training names) is given; only rank 0 writes."""
-    tensors = dict(engine.full_state_dict()) if tensors is None else tensors
+    the weights in shards, a published checkpoint's vision tower and processor files, the
+    tokenizer), from the params in the compute dtype. Collective (every rank gathers one tensor at a
+    time over TP and pipeline stages); only rank 0 writes."""
     out = Path(out_dir)
+    limit = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    params = dict(engine.module.named_parameters())
+    policy = convert.gathered_hf_tensors(params, engine.shape, engine.tp_group, engine.pp_group)
+    head = (
+        mtp_mcore_to_hf(dict(engine.mtp.named_parameters()), engine.shape, engine.tp_group)
+        if engine.mtp
+        else ()
+    )
+    tensors = itertools.chain(policy, head)
     if dist.get_rank() == 0:
-        engine.layout.save(out, tensors.items(), engine.hf_config, tokenizer)
+        engine.layout.save(out, tensors, engine.hf_config, tokenizer, **limit)
+    else:
+        for _ in tensors:  # the collectives of the gather
+            pass
     return out
 
 
@@ -79,17 +85,12 @@ def save_checkpoint(
     """Write ``<root>/step_<version>`` atomically; collective (every rank calls it)."""
 
     def write_files(tmp: Path) -> None:
-        tensors = dict(engine.full_state_dict())  # collective over TP
-        shard = engine.optimizer.state_shard()  # this rank's slices (every rank writes its own)
-        torch.save(shard, tmp / _shard_file(engine.tp_rank, shard["rank"], engine.stage))
-        write_hf_checkpoint(engine, tmp, tokenizer, tensors)
+        saved = save_optimizer_state(engine, tmp / OPTIM_DIR)  # each rank its own slices
+        write_hf_checkpoint(engine, tmp, tokenizer)
         if dist.get_rank() == 0:
-            tp, world, pp = engine.config.megatron.tp_size, shard["world"], engine.stage.size
-            files = [
-                [[_shard_file(t, r, convert.Stage(p, pp)) for r in range(world)] for t in range(tp)]
-                for p in range(pp)
-            ]
-            index = {"tp_size": tp, "pp_size": pp, "dp_cp_size": world, "shards": files}
+            layout = engine.config.megatron
+            index = {"format": OPTIM_DIR, "tp_size": layout.tp_size, "pp_size": layout.pp_size,
+                     "dp_cp_size": engine.optimizer.world, **saved}  # fmt: skip
             torch.save(index, tmp / "optim.pt")
 
     state = {"version": engine.version, "scheduler": engine.scheduler.state_dict(), "extra": extra or {}}
@@ -98,33 +99,14 @@ def save_checkpoint(
 
 def load_checkpoint(engine, path: str | Path) -> dict:
     """Restore weights, optimizer, scheduler, version and RNG from ``path``; returns ``extra``."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     index = torch.load(path / "optim.pt", weights_only=False)
-    layout = engine.config.megatron
-    for key in ("tp_size", "pp_size"):
-        if index.get(key, 1) != getattr(layout, key):
-            raise ValueError(
-                f"{path}: optimizer state was saved with {key}={index.get(key, 1)}, this engine runs "
-                f"{key}={getattr(layout, key)}; resume with the same {key}"
-            )
-    named = ((engine.layout.training_name(n), t) for n, t in load_file(str(path / "model.safetensors")).items())
-    hf = {n: t for n, t in named if n is not None}  # a published checkpoint's vision tower is carried
-    head = {n: hf.pop(n) for n in list(hf) if n.startswith(MTP_PREFIX)}
-    state = convert.hf_to_mcore(hf, engine.shape, engine.tp_rank, layout.tp_size, engine.stage)
-    if engine.mtp is not None:
-        head = mtp_hf_to_mcore(head, engine.shape, engine.tp_rank, engine.config.megatron.tp_size)
-        state.update((MTP_MODULE + n, t) for n, t in head.items())
-    opt = engine.optimizer  # the fp32 masters from the HF weights (written from them), then the moments
-    for i, prefix in enumerate(("", MTP_MODULE)[: len(opt.groups)]):
-        opt.load_masters({n: state[prefix + n] for n in opt.names(i)}, i)
-    files = index["shards"][engine.stage.rank] if "pp_size" in index else index["shards"]
-    shards = [torch.load(path / f, weights_only=False) for f in files[engine.tp_rank]]
-    try:
-        opt.load_state_shards(shards)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    if index.get("format") != OPTIM_DIR:
+        raise ValueError(
+            f"{path}: written by an older areal-npu (one optimizer file per TP x DP rank, not {OPTIM_DIR}/); "
+            "resume it with that version, or start from its model.safetensors"
+        )
+    load_optimizer_state(engine, path / OPTIM_DIR, index)
     trainer = read_trainer_state(path)
     engine.scheduler.load_state_dict(trainer["scheduler"])
     engine.version = int(trainer["version"])

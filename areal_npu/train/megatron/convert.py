@@ -4,7 +4,9 @@ On the Ascend images Megatron-Bridge (pinned to a commit that supports core 0.16
 converter: it knows every model family and streams weights without holding a full copy. It is not
 used here because megatron-bridge 0.3.1 (the newest for Python 3.11) requires ``transformers<5``,
 Transformer Engine (CUDA 13 wheels) and ``mamba-ssm``, none of which install on a CPU machine with
-transformers 5. This table covers Qwen3 dense, the model the CPU tests build, and is verified
+transformers 5; Qwen3.5 text arrives in Bridge 0.5.0, which needs Python 3.12 (version table in
+docker/versions.env). ``tests/train/megatron/test_bridge_tables.py`` compares these tables with
+Bridge's (v0.3.1 Qwen3, v0.5.0 Qwen3.5, transcribed) on the mappings both have. This table covers Qwen3 dense, the model the CPU tests build, and is verified
 independently: the Megatron model's logits on a packed batch equal transformers' per sequence, and
 an export loads back into transformers with the same logits (``tests/train/megatron``).
 

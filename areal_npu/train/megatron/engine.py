@@ -46,6 +46,7 @@ from areal_npu.data.buckets import DEFAULT_BUCKET_BYTES
 from areal_npu.data.context_parallel import cp_gather
 from areal_npu.model.layout import TEXT, CheckpointLayout
 from areal_npu.model.mtp import MTPConfig
+from areal_npu.names import MTP_PREFIX
 from areal_npu.platform import current_platform
 from areal_npu.train.base import TrainEngineBase
 from areal_npu.train.config import TrainEngineConfig
@@ -75,13 +76,15 @@ from areal_npu.train.megatron.pipeline import run_pipeline
 from areal_npu.train.megatron.precision import MasterOptimizer, optimizer_step
 from areal_npu.train.megatron.runtime import init_parallel_state
 from areal_npu.train.megatron.shape import gpt_shape
+from areal_npu.train.megatron.stream import StateSource, load_rank_weights
 
 __all__ = ["MegatronEngine"]
 
 
 class MegatronEngine(TrainEngineBase):
-    """Trains a Megatron-Core ``GPTModel`` built from an HF config and state dict (full tensors,
-    HF names; each rank keeps its TP shards) and, with ``mtp.enabled``, its MTP head from
+    """Trains a Megatron-Core ``GPTModel`` built from an HF config and ``hf_state``: a state dict
+    (full tensors, HF names) or a :class:`~areal_npu.model.safetensors_reader.SafetensorsReader`
+    (:meth:`from_checkpoint`: only this rank's shards are read); with ``mtp.enabled``, its MTP head from
     ``mtp_state`` (``mtp.*`` HF names). Expects ``torch.distributed`` to be initialised."""
 
     def __init__(
@@ -131,11 +134,20 @@ class MegatronEngine(TrainEngineBase):
 
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.module = build_gpt_model(hf_config, device=self.device, dtype=dtype, **model_options(config))
-        state = convert.hf_to_mcore(hf_state, self.shape, self.tp_rank, layout.tp_size, self.stage)
-        missing, unexpected = self.module.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise KeyError(f"Megatron state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        # this rank's shards only, one tensor at a time, into the uninitialised parameters
+        from_checkpoint = hasattr(hf_state, "read")  # a SafetensorsReader, not a state dict
+        exact = load_rank_weights(
+            self.module,
+            hf_state if from_checkpoint else StateSource(hf_state),
+            self.shape,
+            self.tp_rank,
+            layout.tp_size,
+            self.stage,
+            name_of=self.layout.checkpoint_name if from_checkpoint else str,
+            skip=(lambda n: n.startswith(MTP_PREFIX) or self.layout.training_name(n) is None)
+            if from_checkpoint
+            else (lambda n: False),
+        )
         # Megatron marks TP-sharded weights (``tensor_model_parallel``) only when it initialises
         # them; ours are loaded (perform_initialization=False), so the conversion table marks them.
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -153,7 +165,7 @@ class MegatronEngine(TrainEngineBase):
             if not hasattr(named[name], "tensor_model_parallel"):
                 set_tensor_model_parallel_attributes(named[name], True, dim, 1)
         self.vocab_start = self.tp_rank * (self.shape.vocab_size // layout.tp_size)
-        groups = [{"named": named, "init": state}]  # the masters from the loaded fp32 values
+        groups = [{"named": named, "init": exact}]  # the masters from the loaded fp32 values
         if self.mtp_config.enabled:
             recompute = config.gradient_checkpointing
             self.mtp = build_mtp_layer(hf_config, layout.tp_size, dtype, self.device, recompute, layout.cp_size)
@@ -174,6 +186,25 @@ class MegatronEngine(TrainEngineBase):
         checkpoint ``lm`` was loaded from (``lm.config.name_or_path``), as the FSDP2 path does."""
         mtp_state = head_state(lm, mtp, kwargs.get("mtp_config"), config.megatron)
         return cls(lm.config, lm.state_dict(), config, mtp_state=mtp_state, **kwargs)
+
+    @classmethod
+    def from_checkpoint(
+        cls, model_dir, config: TrainEngineConfig, mtp_config: MTPConfig | None = None, **kwargs
+    ) -> MegatronEngine:
+        """From an HF checkpoint directory (either layout, :mod:`areal_npu.model.layout`), each rank
+        reading only its shards (:mod:`.stream`); the MTP head (one layer) is read whole."""
+        from areal_npu.model.layout import config_and_layout
+        from areal_npu.model.mtp_checkpoint import build_mtp_head
+        from areal_npu.model.safetensors_reader import SafetensorsReader
+
+        hf_config, layout = config_and_layout(model_dir)
+        mtp_state = None
+        if mtp_config is not None and mtp_config.enabled:
+            check_mtp(mtp_config, config.megatron.pp_size)  # before loading anything
+            head = build_mtp_head(hf_config, mtp_config, model_dir)
+            mtp_state = {MTP_PREFIX + n: p for n, p in head.state_dict().items()}
+        reader = SafetensorsReader(model_dir)
+        return cls(hf_config, reader, config, mtp_config, mtp_state=mtp_state, layout=layout, **kwargs)
 
     # ---- the steps the base leaves to the engine ------------------------------------------------
     def _check_loss(self, loss: Loss) -> None:

@@ -1,10 +1,11 @@
 """Qwen3.5 / 3.6's Gated DeltaNet, tensor-parallel over heads, for the Megatron engine.
 
 The engine's ``linear_attention`` layers (:mod:`.hybrid`). Megatron-Core 0.16.1's own
-``GatedDeltaNet`` refuses packed sequences and needs FLA's Triton kernels; on the NPU MindSpeed
-carries a fused one (not wired). This one is transformers' ``Qwen3_5GatedDeltaNet`` (the torch path the FSDP2 engine
-trains on the CPU and on Ascend, made exact on packed rows by
-:func:`areal_npu.compat.transformers.patch_linear_attention_for_packing`) holding this rank's heads.
+``GatedDeltaNet`` refuses packed sequences and needs FLA's Triton kernels. This one is transformers'
+``Qwen3_5GatedDeltaNet`` (the torch path the FSDP2 engine trains on the CPU, made exact on packed
+rows by :func:`areal_npu.compat.transformers.patch_linear_attention_for_packing`: one call per
+segment) holding this rank's heads; on the NPU in bf16/fp16 the same weights run over the whole
+packed row through MindSpeed's varlen gated delta rule (:mod:`.npu_fused`).
 
 The layer (``Hk`` key heads of dim ``dk``, ``Hv`` value heads of dim ``dv``, value head ``j`` reads
 key head ``j // (Hv / Hk)``) has four input projections -- ``in_proj_qkv`` rows ``[q (Hk dk); k
@@ -32,6 +33,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from areal_npu.data.context_parallel import cp_gather, cp_split
+from areal_npu.train.megatron.npu_fused import gdn_rule, packed_gdn_forward
 
 __all__ = ["TP_PARTIAL", "ParallelGatedDeltaNet", "check_gdn_tp", "shard_gdn", "unshard_gdn"]
 
@@ -199,6 +201,7 @@ class ParallelGatedDeltaNet(torch.nn.Module):
         elif self.tp_size > 1:
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)  # backward: sum
         cu = cu_seqlens.to(device=hidden.device, dtype=torch.int32)
+        rule = gdn_rule(hidden)  # MindSpeed's packed kernel on the NPU (bf16/fp16), else None
         if self.cp_size > 1:
             import torch.distributed as dist
 
@@ -207,10 +210,15 @@ class ParallelGatedDeltaNet(torch.nn.Module):
             hidden = cp_gather(list(_AllGather.apply(hidden, self.cp_group).unbind(0)), cu.long())
             rank = dist.get_rank(self.cp_group)
             weights = shard_gdn(dict(self.inner.named_parameters()), self._tp_config, rank, self.cp_size)
-            out = torch.func.functional_call(
-                self._cp_layer, weights, (hidden[None],), {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
-            )[0]
+            if rule is not None:
+                out = packed_gdn_forward(self._cp_layer, hidden[None], cu, rule, weights)[0]
+            else:
+                out = torch.func.functional_call(
+                    self._cp_layer, weights, (hidden[None],), {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+                )[0]
             out = _SumToShare.apply(out, cu.long(), self.cp_group)
+        elif rule is not None:
+            out = packed_gdn_forward(self.inner, hidden[None], cu, rule)[0]
         else:
             out = self.inner(hidden[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu)[0]
         if self.sequence_parallel:

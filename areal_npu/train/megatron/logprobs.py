@@ -10,8 +10,19 @@ TP rank ``r`` holds rows ``[r V/tp, (r+1) V/tp)`` of the head ``W``. For hidden 
     z_t,y   = the target's logit, from the one rank that holds it
     lse_t   = m_t + log S_t,   logp_t = z_t,y − lse_t,   H_t = lse_t − Z_t / S_t
 
-so two collectives per chunk and never a ``[T, V]`` tensor. Backward recomputes each chunk's local
-logits (as :mod:`areal_npu.kernels.logprobs` does) and applies, on the local columns,
+so two collectives per chunk and never a ``[T, V]`` tensor.
+
+The GEMM ``h W_r^T`` (:func:`head_logits`): with bf16 (or fp16) ``h`` and ``W`` it is a half
+GEMM, accumulated in float32 by the device's kernel, never an fp32 GEMM on an upcast copy of the
+head (at 248K x 5120 that copy alone is 5 GB). Where the device has a half GEMM with a float32
+output (``torch.mm(..., out_dtype=torch.float32)``: CUDA; probed once, so also a torch_npu that
+maps it) the logits stay float32; elsewhere (the CPU, the NPU otherwise) the kernel's output is
+rounded to the half type and upcast, as Megatron's own output layer feeding
+``vocab_parallel_cross_entropy`` does: up to ``2^-8 |z|`` a logit, so a log-prob within
+``2^-7 max |z|``. The softmax, log-probs and entropy are float32 either way.
+
+Backward recomputes each chunk's local logits (as :mod:`areal_npu.kernels.logprobs` does) and
+applies, on the local columns,
 
     ∂/∂z_v = (g_lp 1[v = y] − p_v (g_lp + g_H (log p_v + H))) / τ
 
@@ -27,7 +38,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["vocab_parallel_logprobs_entropy"]
+from areal_npu.kernels.logprobs import has_f32_out_gemm
+
+__all__ = ["head_logits", "vocab_parallel_logprobs_entropy"]
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def head_logits(hidden: Tensor, weight: Tensor) -> Tensor:
+    """``hidden @ weight.T`` in float32 or wider (the module docstring): a half GEMM with float32
+    accumulation for half inputs (no float32 copy of ``weight``), the GEMM in the wider type else."""
+    if hidden.dtype == weight.dtype and weight.dtype in _HALF:
+        return _half_mm(hidden, weight.t())
+    dtype = torch.promote_types(torch.float32, torch.promote_types(hidden.dtype, weight.dtype))
+    return hidden.to(dtype) @ weight.to(dtype).t()
+
+
+def _half_mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of two half tensors as a half GEMM accumulated in float32, returned in float32."""
+    if has_f32_out_gemm(a.device, a.dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b).float()  # fp32 accumulation in the kernel, the output rounded once
 
 
 def _all_reduce(t: Tensor, op, group) -> Tensor:
@@ -60,10 +91,9 @@ class VocabParallelLogProbs(torch.autograd.Function):
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
         logp = torch.empty_like(lse)
         entropy = torch.empty_like(lse)
-        w = weight.to(dtype)
         for a in range(0, n, chunk_size):
             b = min(a + chunk_size, n)
-            z = (hidden[a:b].to(dtype) @ w.t()) / temperature
+            z = head_logits(hidden[a:b], weight) / temperature
             lse[a:b], logp[a:b], entropy[a:b] = _chunk_stats(z, targets[a:b], vocab_start, group)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.set_materialize_grads(False)
@@ -80,23 +110,33 @@ class VocabParallelLogProbs(torch.autograd.Function):
         zeros = torch.zeros_like(lse)
         g_lp = zeros if grad_logp is None else torch.where(targets >= 0, grad_logp.to(dtype), zeros)
         g_h = zeros if grad_entropy is None else grad_entropy.to(dtype)
-        w = weight.to(dtype)
+        half = hidden.dtype == weight.dtype and weight.dtype in _HALF
         vocab = weight.shape[0]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        # the weight gradient accumulates over chunks in float32 (or wider)
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         for a in range(0, hidden.shape[0], chunk_size):
             b = min(a + chunk_size, hidden.shape[0])
-            h = hidden[a:b].to(dtype)
-            log_p = (h @ w.t()) / temperature - lse[a:b, None]
+            h = hidden[a:b]
+            log_p = head_logits(h, weight) / temperature - lse[a:b, None]
             grad_z = -torch.exp(log_p) * (g_lp[a:b, None] + g_h[a:b, None] * (log_p + entropy[a:b, None]))
             local_ids = targets[a:b] - vocab_start
             mine = (local_ids >= 0) & (local_ids < vocab)
             grad_z.scatter_add_(-1, local_ids.clamp(0, vocab - 1)[:, None], (g_lp[a:b] * mine)[:, None])
             grad_z /= temperature
+            if half:  # ∂/∂z in the head's dtype, as autograd gives a half h @ W^T; GEMMs accumulate in fp32
+                grad_z = grad_z.to(weight.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[a:b] = _half_mm(grad_z, weight).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight += _half_mm(grad_z.t().contiguous(), h)
+                continue
             if grad_hidden is not None:
-                grad_hidden[a:b] = (grad_z @ w).to(hidden.dtype)
+                grad_hidden[a:b] = (grad_z @ weight.to(dtype)).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight += grad_z.t() @ h
+                grad_weight += grad_z.t() @ h.to(dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

@@ -9,9 +9,9 @@ What runs where:
   text model trains): :mod:`.hybrid` -- per layer type, gated full attention or our tensor-parallel
   Gated DeltaNet (:mod:`.gdn`: transformers' torch layer, the path the FSDP2 engine takes on the CPU
   and on Ascend). Megatron-Core 0.16.1's own ``GatedDeltaNet`` refuses packed (THD) sequences and
-  needs FLA's Triton kernels; MindSpeed's fused NPU kernels are not wired (the torch path runs
-  there, slower). Sequence and context parallelism: the Gated DeltaNet layers gather their rows
-  (:mod:`.hybrid`). MoE variants and Qwen3-Next are refused.
+  needs FLA's Triton kernels; on the NPU MindSpeed's packed gated delta rule, fused RMSNorm and
+  SwiGLU are wired (:mod:`.npu_fused`; checked with recording fakes only, never run on an NPU).
+  Sequence and context parallelism: the Gated DeltaNet layers gather their rows (:mod:`.hybrid`). MoE variants and Qwen3-Next are refused.
 - Refused everywhere (a sentence each): attention bias, sliding windows, RoPE scaling, MoE.
 
 Recomputation (``train.gradient_checkpointing``, :func:`recompute_fields`): Megatron's own full,
@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from areal_npu.train.megatron.hybrid import check_hybrid_layout, hybrid_layer_specs
+from areal_npu.train.megatron.npu_fused import fused_kernels
 from areal_npu.train.megatron.runtime import import_megatron
 from areal_npu.train.megatron.shape import HYBRID_TYPES, GPTShape, gpt_shape, text_config
 from areal_npu.train.megatron.specs import TorchRMSNorm, layer_spec
@@ -189,6 +190,7 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        use_te_activation_func=fused_kernels(),  # the MLP builds the spec's FusedSwiGLU (NPU only)
         **{"attention_output_gate": shape.hybrid, **recompute_fields(recompute), **overrides},
     )
 

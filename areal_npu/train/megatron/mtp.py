@@ -126,7 +126,12 @@ def head_state(lm, mtp, mtp_config: MTPConfig | None, layout) -> dict[str, torch
 
 
 def mtp_transformer_config(
-    hf_config, tp_size: int = 1, dtype=torch.float32, cpu_init: bool = True, recompute: bool = False, cp_size: int = 1
+    hf_config,
+    tp_size: int = 1,
+    dtype=torch.float32,
+    cpu_init: bool = True,
+    recompute: bool = False,
+    cp_size: int = 1,
 ):
     """The decoder's ``TransformerConfig`` plus Qwen3.5's output gate (the MTP layer's attention);
     never sequence-parallel (the engine hands it the gathered hidden states)."""
@@ -264,7 +269,7 @@ def vocab_parallel_mtp_loss(
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     from areal_npu.train.forward import IGNORE
-    from areal_npu.train.megatron.logprobs import vocab_parallel_logprobs_entropy
+    from areal_npu.train.megatron.logprobs import head_logits, vocab_parallel_logprobs_entropy
 
     tp = dist.get_world_size(group) if group is not None else 1
     labels = labels.reshape(-1).to(mtp_hidden.device)
@@ -279,7 +284,7 @@ def vocab_parallel_mtp_loss(
     hits = 0.0
     with torch.no_grad():
         for a in range(0, h.shape[0], chunk_size):
-            z = h[a : a + chunk_size].float() @ w.float().t()
+            z = head_logits(h[a : a + chunk_size], w)  # no float32 copy of the head
             local = y[a : a + chunk_size] - vocab_start
             mine = (local >= 0) & (local < w.shape[0])
             label_logit = z.gather(-1, local.clamp(0, w.shape[0] - 1)[:, None])[:, 0]

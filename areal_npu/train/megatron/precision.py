@@ -17,21 +17,25 @@ gradient, so the norms, the clipping and :meth:`hf_grads` read it as before; Meg
 DistributedOptimizer reduce-scatters instead (half the gradient traffic). Same memory (the memory
 model's "fp32 gradients not sharded"), more communication.
 
-Why not Megatron-Core's own ``DistributedOptimizer`` (0.16.1, tried first on the CPU over gloo;
-``DistributedDataParallel`` itself builds there under the ``current_device`` shim):
-its constructor (``_build_model_and_main_param_groups``) accepts a parameter only if
-``param.type()`` is ``'torch.cuda.{Half,BFloat16,Float}Tensor'`` and raises ``TypeError`` for a CPU
-tensor, and ``MixedPrecisionOptimizer`` / ``clip_grads`` allocate with the literal
-``device='cuda'`` (not the ``torch.cuda.current_device()`` that :mod:`areal_npu.compat.megatron`
-redirects): shimming those means patching ``torch.Tensor.type`` / ``torch.tensor`` process-wide.
+Why not Megatron-Core's own ``DistributedOptimizer`` (0.16.1, probed again on the CPU over gloo in
+session 16): ``DistributedDataParallel`` allocates its grad buffer on ``torch.cuda.current_device()``
+(``megatron/core/distributed/param_and_grad_buffer.py:800``; it builds under
+:mod:`areal_npu.compat.megatron`'s ``current_device`` shim), then ``get_megatron_optimizer`` fails in
+``DistributedOptimizer.__init__`` -> ``MixedPrecisionOptimizer.__init__`` on the literal
+``device='cuda'`` (``megatron/core/optimizer/optimizer.py:473-485``; ``clip_grads.py:90-115`` too),
+and ``_build_model_and_main_param_groups`` accepts a parameter only if ``param.type()`` is
+``'torch.cuda.{Half,BFloat16,Float}Tensor'`` (``distrib_optimizer.py:361,420``, else ``TypeError`` at
+430): shimming those means patching ``torch.tensor`` / ``torch.Tensor.type`` process-wide.
 Its semantics differ too: ``ChainedOptimizer`` clips every chained optimizer by one joint norm
 (the policy and the MTP head are clipped apart here), and ``finalize_model_grads`` all-reduces
 norm gradients over TP only for sequence-parallel parameters (the per-head q/k norms are
-TP-partial always). On the NPU, MindSpeed's path could use it; this engine does not yet.
+TP-partial always), and its state is bucket-ordered shards, not the per-tensor slices that
+:mod:`.dist_optim` writes and reshards on resume. On CUDA / the NPU it would run, but switching there
+changes clipping, checkpoints and :meth:`MasterOptimizer.masters` / ``grads`` users at once with no
+device to test on (none was lent in session 16): not done; the hand-written one runs everywhere.
 
-Checkpoints (:mod:`.checkpoint`): weights are written from the fp32 masters (HF names); each rank
-saves its slices of the moments, and a resume concatenates the saved slices and re-slices them,
-so the DP x CP size may change.
+Checkpoints (:mod:`.dist_optim`): each rank writes the slices of the masters and moments it owns
+(never gathered); a resume reads its own ranges, so the TP and DP x CP sizes may change.
 """
 
 from __future__ import annotations
@@ -168,52 +172,8 @@ class MasterOptimizer:
         g = self.groups[index]
         return {n: t.clone() for n, t in g.unflatten(self._gather(g.master.detach())).items()}
 
-    @torch.no_grad()
-    def load_masters(self, tensors: Mapping[str, torch.Tensor], index: int) -> None:
-        """Set group ``index``'s masters from full tensors (every name) and refresh its params."""
-        g = self.groups[index]
-        g.master.copy_(g.flat_fp32(tensors)[g.start : g.start + g.shard])
-        for name, p in zip(g.names, g.params):
-            p.copy_(tensors[name])
-
     def names(self, index: int) -> list[str]:
         return list(self.groups[index].names)
-
-    def state_shard(self) -> dict:
-        """This rank's slices of AdamW's moments (and its step count), per group, with the layout."""
-        out = []
-        for g in self.groups:
-            state = self.optimizer.state.get(g.master, {})
-            out.append(
-                {
-                    "names": g.names,
-                    "numel": g.numel,
-                    **{k: v.detach().clone() for k, v in state.items()},
-                }
-            )
-        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
-        return {"world": self.world, "rank": self.rank, "groups": out, "param_groups": hyper}
-
-    def load_state_shards(self, shards: list[dict]) -> None:
-        """Restore from every saved rank's :meth:`state_shard` (in rank order, any world size):
-        the saved slices are concatenated, cut to the real size and re-sliced for this world."""
-        if [s["rank"] for s in shards] != list(range(len(shards))):
-            raise ValueError(f"optimizer shards out of order or missing: ranks {[s['rank'] for s in shards]}")
-        for index, g in enumerate(self.groups):
-            saved = [s["groups"][index] for s in shards]
-            if saved[0]["names"] != g.names or saved[0]["numel"] != g.numel:
-                raise ValueError("the saved optimizer state is for other parameters than this engine's")
-            if "step" not in saved[0]:  # saved before any step
-                self.optimizer.state.pop(g.master, None)
-                continue
-            state = {"step": saved[0]["step"].clone()}
-            for key in ("exp_avg", "exp_avg_sq"):
-                full = torch.zeros_like(g.grad)
-                full[: g.numel] = torch.cat([s[key] for s in saved])[: g.numel].to(full)
-                state[key] = full[g.start : g.start + g.shard].clone()
-            self.optimizer.state[g.master] = state
-        for pg, saved in zip(self.optimizer.param_groups, shards[0]["param_groups"]):
-            pg.update(saved)
 
     def state_bytes(self) -> int:
         """Bytes of fp32 masters and AdamW moments this rank holds."""

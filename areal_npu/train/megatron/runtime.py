@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from areal_npu.platform import Platform, current_platform
 
-__all__ = ["MINDSPEED_ADAPTOR", "import_megatron", "init_parallel_state"]
+__all__ = ["MINDSPEED_ADAPTOR", "SEED", "import_megatron", "init_parallel_state", "seed_model_parallel_rng"]
 
 MINDSPEED_ADAPTOR = "mindspeed.megatron_adaptor"
 
@@ -52,8 +52,13 @@ def import_megatron(platform: Platform | None = None) -> ModuleType:
 _groups_world = None
 
 
-def init_parallel_state(tp_size: int = 1, cp_size: int = 1, pp_size: int = 1) -> None:
-    """Megatron's process groups over the initialised default group (world = tp * cp * dp * pp).
+#: Megatron's default ``--seed``
+SEED = 1234
+
+
+def init_parallel_state(tp_size: int = 1, cp_size: int = 1, pp_size: int = 1, seed: int = SEED) -> None:
+    """Megatron's process groups over the initialised default group (world = tp * cp * dp * pp),
+    and its model-parallel RNG states (:func:`seed_model_parallel_rng`).
 
     Re-initialises when the layout differs from the current one (tests run several layouts in one
     process). Group order is Megatron's default ``tp-cp-ep-dp-pp``: TP ranks are adjacent."""
@@ -76,6 +81,7 @@ def init_parallel_state(tp_size: int = 1, cp_size: int = 1, pp_size: int = 1) ->
             and ps.get_pipeline_model_parallel_world_size() == pp_size
         )
         if same:
+            seed_model_parallel_rng(seed)
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -85,3 +91,15 @@ def init_parallel_state(tp_size: int = 1, cp_size: int = 1, pp_size: int = 1) ->
         create_gloo_process_groups=False,
     )
     _groups_world = dist.group.WORLD
+    seed_model_parallel_rng(seed)
+
+
+def seed_model_parallel_rng(seed: int = SEED) -> None:
+    """Register Megatron's RNG states as its training loop does, after the groups exist:
+    ``model_parallel_cuda_manual_seed`` (data-parallel ``seed``, tensor-parallel ``seed + 2718 +
+    tp_rank``, expert-parallel). Sequence parallelism forks the tensor-parallel state around every
+    layer, and the fork fails where it was never registered (also on the CPU: the tracker of
+    :mod:`areal_npu.compat.megatron` keeps upstream's check)."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,5 +1,6 @@
 """The engine's local Megatron layer spec: Megatron's own linear layers with our packed core
-attention (:class:`areal_npu.train.megatron.attention.PackedCoreAttention`) and torch RMSNorms.
+attention (:class:`areal_npu.train.megatron.attention.PackedCoreAttention`) and torch RMSNorms (on
+the NPU: MindSpeed's fused RMSNorm and SwiGLU kernels, :mod:`.npu_fused`).
 
 Shared by the decoder (:mod:`.model`), the Qwen3.5 hybrid layers (:mod:`.hybrid`) and the MTP layer
 (:mod:`.mtp`); it sits below all three.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from areal_npu.train.megatron.npu_fused import FusedRMSNorm, FusedSwiGLU, fused_kernels
 from areal_npu.train.megatron.runtime import import_megatron
 
 __all__ = ["TorchRMSNorm", "layer_spec"]
@@ -25,6 +27,8 @@ class TorchRMSNorm:
         if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
             raise NotImplementedError("TorchRMSNorm is a plain RMSNorm (no zero-centred gamma)")
         # in the compute dtype, as every Megatron layer's params_dtype (bf16: fp32 masters elsewhere)
+        if fused_kernels():  # MindSpeed's fused RMSNorm kernel, the same weight
+            return FusedRMSNorm(hidden_size, eps, config.params_dtype, bool(config.sequence_parallel))
         norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         norm.weight.sequence_parallel = bool(config.sequence_parallel)
         return norm
@@ -32,7 +36,9 @@ class TorchRMSNorm:
 
 def layer_spec():
     """Megatron's local GPT layer spec (qk RMSNorm) with :class:`PackedCoreAttention` as core
-    attention and :class:`TorchRMSNorm` as every norm."""
+    attention and :class:`TorchRMSNorm` as every norm; on the NPU the MLP's activation module is
+    :class:`FusedSwiGLU` (:func:`areal_npu.train.megatron.model.transformer_config` sets
+    ``use_te_activation_func`` there, the switch that makes Megatron's MLP build it)."""
     import_megatron()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -43,4 +49,6 @@ def layer_spec():
     attention.core_attention = PackedCoreAttention
     attention.q_layernorm = attention.k_layernorm = TorchRMSNorm
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+    if fused_kernels():  # read by Megatron's MLP when the config sets use_te_activation_func
+        spec.submodules.mlp.submodules.activation_func = FusedSwiGLU
     return spec

@@ -258,7 +258,7 @@ def hybrid_runs(hybrid_model):
     return {
         "plain": _greedy_run(hybrid_model, 0, prefix_caching=True),
         "spec_align": _greedy_run(hybrid_model, K, prefix_caching=True),  # crashed before the fix
-        "spec_none": _greedy_run(hybrid_model, K, prefix_caching=False),  # the rollout default
+        "spec_none": _greedy_run(hybrid_model, K, prefix_caching=False),  # rollout.enable_prefix_caching=false
     }
 
 

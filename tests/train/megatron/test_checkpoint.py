@@ -60,10 +60,40 @@ def test_resume_continues_exactly_and_weights_load_in_transformers(tmp_path):
     assert type(hf).__name__ == "Qwen3ForCausalLM"
 
 
-def test_resume_with_another_tp_size_is_refused(tmp_path):
+def test_resume_from_an_old_format_is_refused(tmp_path):
+    """Another TP x DP or pipeline layout reshards (test_checkpoint_reshard.py, test_checkpoint_parallel.py);
+    the per-rank optimizer files of older versions are refused, naming why."""
     a = _engine()
     saved = a.save_checkpoint(tmp_path / "ckpt")
-    index = torch.load(saved / "optim.pt", weights_only=False)
-    torch.save(dict(index, tp_size=2), saved / "optim.pt")
-    with pytest.raises(ValueError, match="tp_size=2.*tp_size=1"):
+    torch.save({"tp_size": 1, "shards": [["optim_tp0_dp0.pt"]]}, saved / "optim.pt")  # before optim/
+    with pytest.raises(ValueError, match="older areal-npu"):
         _engine().load_checkpoint(saved)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_optimizer_shard_is_detected_and_the_previous_checkpoint_resumed(tmp_path, damage):
+    """The manifest (each rank's own files: size and CRC-32) catches a shorter shard and one flipped
+    byte in a same-size shard; ``--resume`` falls back to step_1 naming the file."""
+    import zlib
+
+    a = _engine()
+    _step(a, 0)
+    first = a.save_checkpoint(tmp_path / "ckpt")
+    _step(a, 1)
+    second = a.save_checkpoint(tmp_path / "ckpt")
+    shard = second / "optim" / "exp_avg" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    listed = __import__("json").loads((second / "manifest.json").read_text())["files"][
+        "optim/exp_avg/__0_0.distcp"
+    ]
+    assert listed == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}  # independent: zlib here
+    if damage == "truncate":
+        shard.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        data[len(data) // 3] ^= 0x01
+        shard.write_bytes(bytes(data))
+    warnings = []
+    assert (
+        checkpoint_problems(first) == [] and checkpoint_to_resume(tmp_path / "ckpt", warnings.append) == first
+    )
+    assert len(warnings) == 1 and str(shard) in warnings[0], warnings

@@ -4,7 +4,9 @@ take a second one; NEW processes build engines, load the checkpoint and take the
 Reference: the uninterrupted run's second step (stats, learning rate, every weight under HF names,
 each rank's torch RNG draw right after the save / the load), same layout, same data. The saved
 weights are a Hugging Face checkpoint transformers loads, equal to the engine's ``full_state_dict``
-whatever the TP or pipeline layout; a resume at another ``tp_size`` or ``pp_size`` is refused naming the key.
+whatever the TP or pipeline layout. The PP=2 checkpoint resumes at PP=1: the masters, AdamW
+moments and step count the one-stage engine holds equal both stages' at the save, bit for bit
+(reference: ``optimizer_state_by_hand`` on each stage, global layer names).
 (One rank: ``test_checkpoint.py``.)
 """
 
@@ -16,7 +18,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 from areal_npu import names  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
-from tests.support.ranks import start_processes  # noqa: E402
+from tests.support.ranks import run_ranks  # noqa: E402
 
 LAYOUTS = {"tp2": (2, 1, 1), "dp2": (1, 2, 1), "pp2": (1, 1, 2)}  # (tp, dp, pp) on 2 ranks
 
@@ -50,6 +52,7 @@ def _worker(rank, world, init_file, out_dir, phase, layout):
     from pathlib import Path
 
     from areal_npu.train.dist import process_group
+    from tests.support.megatron_tiny import optimizer_state_by_hand
 
     tp, dp, pp = LAYOUTS[layout]
     out_dir, dp_rank = Path(out_dir), (rank // tp) % dp  # Megatron's rank order: tp, (cp), dp, pp
@@ -58,6 +61,8 @@ def _worker(rank, world, init_file, out_dir, phase, layout):
         if phase == "run":
             _step(engine, 0, dp_rank, dp)
             saved = engine.save_checkpoint(out_dir / "ckpt", extra={"data_position": 8})
+            if layout == "pp2":  # each stage's optimizer state, for the resume at PP=1
+                torch.save(optimizer_state_by_hand(engine), out_dir / f"stage{rank}.pt")
             weights1 = dict(engine.full_state_dict())  # collective: every rank iterates
             extra = None
         else:
@@ -76,16 +81,8 @@ def _worker(rank, world, init_file, out_dir, phase, layout):
 
 def _spawn(phase, layout, out_dir, timeout_s=300):
     """``_worker`` on 2 spawned ranks; a rank left waiting fails the test instead of hanging it."""
-    ctx = start_processes(_worker, args=(2, str(out_dir / f"{phase}.rdv"), str(out_dir), phase, layout),
-                             nprocs=2, join=False)  # fmt: skip
-    for proc in ctx.processes:
-        proc.join(timeout_s)
-    alive = [p.pid for p in ctx.processes if p.is_alive()]
-    for proc in ctx.processes:
-        if proc.is_alive():
-            proc.kill()
-    assert not alive, f"rank processes {alive} still running"
-    assert [p.exitcode for p in ctx.processes] == [0, 0], f"{phase} ranks failed"
+    args = (2, str(out_dir / f"{phase}.rdv"), str(out_dir), phase, layout)
+    assert run_ranks(_worker, args, 2, timeout_s) == [0, 0], f"{phase} ranks failed"
     return torch.load(out_dir / f"{phase}.pt", weights_only=False)
 
 
@@ -109,12 +106,19 @@ def test_a_resumed_two_rank_run_continues_exactly(tmp_path, layout):
     assert run["saved"] == str(saved) and resumed["extra"] == {"data_position": 8}
     assert run["version"] == resumed["version"] == 1
     tp = LAYOUTS[layout][0]
-    index = torch.load(saved / "optim.pt", weights_only=False)  # the layout and its optimizer shards
-    assert index["tp_size"] == tp and len(index["shards"][0]) == tp  # [stage][tp rank][dp x cp rank]
-    files = [f for stage in index["shards"] for per_tp in stage for f in per_tp]
-    assert files and all((saved / f).is_file() for f in files), files
+    index = torch.load(saved / "optim.pt", weights_only=False)  # the layout; the state in optim/
+    assert index["tp_size"] == tp and index["format"] == "optim"
+    assert sorted(p.name for p in (saved / "optim" / "master").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     a, b = run["stats"], resumed["stats"]
-    assert set(a) == set(b) and {names.PPO_LOSS, names.TRAIN_GRAD_NORM, names.TRAIN_LR, names.TRAIN_N_TOKENS} <= set(a)
+    assert set(a) == set(b) and {
+        names.PPO_LOSS,
+        names.TRAIN_GRAD_NORM,
+        names.TRAIN_LR,
+        names.TRAIN_N_TOKENS,
+    } <= set(a)
     for key in a:
         _assert_close_rel(b[key], a[key], key)
     assert a[names.TRAIN_VERSION] == 2.0
@@ -136,10 +140,20 @@ def test_a_resumed_two_rank_run_continues_exactly(tmp_path, layout):
     for name, tensor in hf.state_dict().items():
         assert torch.equal(tensor, run["weights1"][name]), name
 
-    if layout in ("tp2", "pp2"):  # the optimizer shards are per TP rank and stage: another layout is refused
+    if layout == "pp2":  # resumed at PP=1 (another TP x DP layout: test_checkpoint_reshard.py)
         from areal_npu.train.dist import init_distributed
+        from tests.support.megatron_tiny import optimizer_state_by_hand
 
         init_distributed()
-        key = layout[:2] + "_size"
-        with pytest.raises(ValueError, match=rf"{key}=2.*{key}=1.*same {key}"):
-            _engine(1).load_checkpoint(saved)
+        one = _engine(1)
+        assert one.load_checkpoint(saved) == {"data_position": 8} and one.version == 1
+        got = optimizer_state_by_hand(one)
+        stages = [torch.load(tmp_path / f"stage{rank}.pt", weights_only=False) for rank in range(2)]
+        assert got["step"] == stages[0]["step"] == stages[1]["step"] == 2.0
+        for state in ("master", "exp_avg", "exp_avg_sq"):
+            first, second = stages[0][state], stages[1][state]
+            assert not set(first) & set(second) and sorted(got[state]) == sorted({**first, **second})
+            expected = {**first, **second}
+            for name, tensor in expected.items():
+                assert tensor.abs().sum() > 0, (state, name)
+                torch.testing.assert_close(got[state][name], tensor, rtol=0, atol=0, msg=f"{state} {name}")

@@ -99,7 +99,9 @@ def test_one_rank_equals_the_layer_run_on_each_segment():
 @pytest.mark.distributed
 @pytest.mark.skipif(current_platform().device_type != "cpu", reason="CPU tensors on gloo ranks")
 @pytest.mark.parametrize(
-    "tp, cp, sp", [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, True)], ids=["tp2", "tp2-sp", "cp2", "tp2-cp2-sp"]
+    "tp, cp, sp",
+    [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, True)],
+    ids=["tp2", "tp2-sp", "cp2", "tp2-cp2-sp"],
 )
 def test_tp_and_cp_ranks_equal_the_layer_with_every_head(tmp_path, tp, cp, sp):
     """Each rank's output and input gradient are the reference's on its share of the row; the CP

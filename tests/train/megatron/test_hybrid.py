@@ -19,6 +19,7 @@ from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.model.mtp import MTPConfig  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
+from tests.support.device import approx, tolerance  # noqa: E402
 from tests.support.megatron_tiny import (  # noqa: E402
     full_logits,
     make_samples,
@@ -70,16 +71,21 @@ def _fsdp_grads(engine):
 
 
 def _assert_equal(got, want, rtol=1e-4):
+    """``rtol``: the gradients' on the CPU; accelerators: :mod:`tests.support.device`."""
     for a, b in zip(got["prox"], want["prox"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, **tolerance("values", dict(rtol=1e-5, atol=1e-5), b))
     for key in (names.PPO_LOSS, names.TRAIN_GRAD_NORM, names.TRAIN_N_TOKENS):
-        assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-5), key
+        assert got["stats"][key] == pytest.approx(
+            want["stats"][key], **approx("values", 1e-5, want["stats"][key])
+        ), key
     assert sorted(got["grads"]) == sorted(want["grads"])
     for name, grad in want["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=1e-6, msg=name)
+        tol = tolerance("grads", dict(rtol=rtol, atol=1e-6), grad)
+        torch.testing.assert_close(got["grads"][name], grad, **tol, msg=name)
     assert sorted(got["weights"]) == sorted(want["weights"])
     for name, tensor in want["weights"].items():
-        torch.testing.assert_close(got["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        tol = tolerance("weights", dict(rtol=1e-5, atol=1e-6), tensor)
+        torch.testing.assert_close(got["weights"][name], tensor, **tol, msg=name)
 
 
 def test_packed_logits_equal_transformers_on_each_sequence():
@@ -91,7 +97,7 @@ def test_packed_logits_equal_transformers_on_each_sequence():
     for seq, got in zip(seqs, full_logits(engine, seqs), strict=True):
         with torch.no_grad():
             want = lm(input_ids=seq[None]).logits[0]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, **tolerance("values", dict(rtol=1e-5, atol=1e-5), want))
 
 
 def test_ppo_step_and_mtp_head_equal_the_fsdp2_engine():
@@ -101,7 +107,9 @@ def test_ppo_step_and_mtp_head_equal_the_fsdp2_engine():
     assert got["stats"][names.PACKING_MICRO_BATCHES] >= 2
     assert any(n.startswith("mtp.") for n in want["grads"]) and any("linear_attn" in n for n in want["grads"])
     for key in (names.MTP_LOSS, names.mtp_acc_key(1)):
-        assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-5), key
+        assert got["stats"][key] == pytest.approx(
+            want["stats"][key], **approx("values", 1e-5, want["stats"][key])
+        ), key
     _assert_equal(got, want)
 
 
@@ -146,7 +154,9 @@ def test_parallel_ranks_equal_one_process(tmp_path, layout, mtp):
         got = torch.load(tmp_path / f"out.{rank}", weights_only=False)
         if mtp:
             for key in (names.MTP_LOSS, names.mtp_acc_key(1), names.mtp_count_key(1)):
-                assert got["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
+                assert got["stats"][key] == pytest.approx(
+                    one["stats"][key], **approx("values", 1e-5, one["stats"][key])
+                ), key
         _assert_equal(got, one)
 
 
@@ -186,4 +196,10 @@ def test_layouts_a_hybrid_cannot_run_are_refused(layout, fragment):
 
     config, _, _ = tiny_qwen35(num_key_value_heads=2, num_attention_heads=4)
     with pytest.raises(ValueError, match=fragment):
-        check_layout(config, layout.get("tp_size", 1), 1, layout.get("cp_size", 1), layout.get("sequence_parallel", False))
+        check_layout(
+            config,
+            layout.get("tp_size", 1),
+            1,
+            layout.get("cp_size", 1),
+            layout.get("sequence_parallel", False),
+        )

@@ -20,6 +20,7 @@ from areal_npu.model.mtp import MTPConfig, Qwen35MTP, init_mtp_weights  # noqa: 
 from areal_npu.train.dist import init_distributed  # noqa: E402
 from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
+from tests.support.device import approx, tolerance  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
 
 CAP = 24
@@ -98,20 +99,25 @@ def test_mtp_loss_grads_step_and_export_equal_the_fsdp2_engine():
     )
     m_stats, m_grads, _ = _run(meg, copy.deepcopy(samples), lambda e: e.hf_grads(), lambda e: None)
     for key in (names.MTP_LOSS, names.mtp_loss_key(1), names.mtp_acc_key(1), names.PPO_LOSS):
-        assert m_stats[key] == pytest.approx(f_stats[key], rel=1e-5, abs=1e-7), key
-    assert f_stats[names.MTP_LOSS] > 0 and m_stats[names.mtp_count_key(1)] == f_stats[names.mtp_count_key(1)] > 0
+        assert m_stats[key] == pytest.approx(f_stats[key], **approx("values", 1e-5, f_stats[key], 1e-7)), key
+    assert (
+        f_stats[names.MTP_LOSS] > 0 and m_stats[names.mtp_count_key(1)] == f_stats[names.mtp_count_key(1)] > 0
+    )
     assert sorted(n for n in m_grads if n.startswith("mtp.")) == sorted(f_mtp)
     for name, grad in {**f_mtp, **f_lm}.items():
         assert grad.abs().sum() > 0 or not name.startswith("mtp."), name
-        torch.testing.assert_close(m_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+        tol = tolerance("grads", dict(rtol=1e-4, atol=1e-7), grad)
+        torch.testing.assert_close(m_grads[name], grad, **tol, msg=name)
 
     f_step, m_step = fsdp.optimizer_step(), meg.optimizer_step()
-    assert m_step[names.TRAIN_GRAD_NORM] == pytest.approx(f_step[names.TRAIN_GRAD_NORM], rel=1e-5)
+    norm = f_step[names.TRAIN_GRAD_NORM]
+    assert m_step[names.TRAIN_GRAD_NORM] == pytest.approx(norm, **approx("values", 1e-5, norm))
     after_f = _full((f"mtp.{n}", p) for n, p in fsdp.module.mtp.named_parameters())
     after_m = {n: t for n, t in meg.full_state_dict() if n.startswith("mtp.")}
     moved = 0
     for name, tensor in after_f.items():
-        torch.testing.assert_close(after_m[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        tol = tolerance("weights", dict(rtol=1e-5, atol=1e-6), tensor)
+        torch.testing.assert_close(after_m[name], tensor, **tol, msg=name)
         moved += int(not torch.equal(tensor, original[name]))
     assert moved == len(original)
     kinds = {kind: [n for n, _ in bucket] for kind, bucket in meg.export_buckets(kinds=("mtp",))}

@@ -18,6 +18,7 @@ from areal_npu.data.packing import PackingConfig  # noqa: E402
 from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
+from tests.support.device import approx, test_device, tolerance  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step_outputs, tiny_qwen3  # noqa: E402
 from tests.support.ranks import start_processes  # noqa: E402
 
@@ -53,6 +54,10 @@ def _vocab_parallel_check(rank, tp):
     up_lp, up_h = (
         torch.randn(13, generator=g, dtype=torch.float64),
         torch.randn(13, generator=g, dtype=torch.float64),
+    )
+    # on the platform's device (NCCL/HCCL take device tensors only); float64 there too
+    hidden, weight, targets, up_lp, up_h = (
+        t.to(test_device()) for t in (hidden, weight, targets, up_lp, up_h)
     )
     h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp_ref, ent_ref = naive_logprobs_entropy(h_ref, w_ref, targets, temperature=0.7)
@@ -100,15 +105,23 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, tp, cp):
     init_distributed()
     one = ppo_step_outputs(_engine(1, 1), make_samples(6))
     for got, want in zip(two["logits"], one["logits"]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, **tolerance("values", dict(rtol=1e-5, atol=1e-5), want))
     if cp * tp > 1:  # a DP rank sees half the batch; TP/CP ranks see all of it
         for got, want in zip(two["prox"], one["prox"]):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert two["stats"][names.PPO_LOSS] == pytest.approx(one["stats"][names.PPO_LOSS], rel=1e-5)
-    assert two["stats"][names.TRAIN_GRAD_NORM] == pytest.approx(one["stats"][names.TRAIN_GRAD_NORM], rel=1e-5)
+            torch.testing.assert_close(got, want, **tolerance("values", dict(rtol=1e-5, atol=1e-6), want))
+    assert two["stats"][names.PPO_LOSS] == pytest.approx(
+        one["stats"][names.PPO_LOSS], **approx("values", 1e-5, one["stats"][names.PPO_LOSS])
+    )
+    assert two["stats"][names.TRAIN_GRAD_NORM] == pytest.approx(
+        one["stats"][names.TRAIN_GRAD_NORM], **approx("values", 1e-5, one["stats"][names.TRAIN_GRAD_NORM])
+    )
     assert two["stats"][names.TRAIN_N_TOKENS] == one["stats"][names.TRAIN_N_TOKENS]
     assert sorted(two["grads"]) == sorted(one["grads"])
     for name, grad in one["grads"].items():
-        torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+        torch.testing.assert_close(
+            two["grads"][name], grad, **tolerance("grads", dict(rtol=1e-4, atol=1e-7), grad), msg=name
+        )
     for name, tensor in one["weights"].items():
-        torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            two["weights"][name], tensor, **tolerance("weights", dict(rtol=1e-5, atol=1e-6), tensor), msg=name
+        )

@@ -23,6 +23,7 @@ from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.losses import SFTLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
+from tests.support.device import tolerance  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
 from tests.support.ranks import start_processes  # noqa: E402
 
@@ -90,8 +91,10 @@ def test_bf16_engine_computes_in_bf16_and_keeps_fp32_masters_grads_and_states(on
 
 def test_bf16_update_equals_fp32_update_within_bf16_error(one_process):
     """One step from the same weights on the same batch; a large Adam eps makes the update nearly
-    linear in the gradient, so it compares the gradients: each tensor's update within 5% of the
-    float32 engine's in norm, the loss to 1%. lr 0.1: the update (~1e-2 g) stays far above the
+    linear in the gradient, so it compares the gradients: each tensor's update within 7.5% of the
+    float32 engine's in norm, the loss to 1%. Measured worst: 4.2% with float32 logits, 5.8% (the
+    MTP layer's k_norm) with the head's bf16 GEMM rounding its output to bf16 as on the CPU and NPU
+    (:mod:`areal_npu.train.megatron.logprobs`). lr 0.1: the update (~1e-2 g) stays far above the
     fp32 resolution of weights near 1 (at lr 1e-3 the norms' updates are a few fp32 ulps)."""
     samples = sft_samples()
     before = dict(engine_for("float32").full_state_dict())
@@ -105,7 +108,7 @@ def test_bf16_update_equals_fp32_update_within_bf16_error(one_process):
     assert any(n.startswith("mtp.") for n in updates["float32"])
     for name, ref in updates["float32"].items():
         assert ref.norm() > 0, name
-        assert rel(updates["bfloat16"][name], ref) <= 0.05, (name, rel(updates["bfloat16"][name], ref))
+        assert rel(updates["bfloat16"][name], ref) <= 0.075, (name, rel(updates["bfloat16"][name], ref))
 
 
 def test_an_update_below_bf16_resolution_is_not_lost(one_process):
@@ -165,9 +168,7 @@ def _dp_worker(rank, out, init_file):
 @two_ranks
 def test_two_dp_ranks_with_sharded_optimizer_state_equal_one_process(tmp_path):
     out = str(tmp_path / "out.pt")
-    start_processes(
-        _dp_worker, args=(out, str(tmp_path / "rdv")), nprocs=2, join=True
-    )
+    start_processes(_dp_worker, args=(out, str(tmp_path / "rdv")), nprocs=2, join=True)
     two = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     init_distributed()
     before = dict(engine_for("float32").full_state_dict())
@@ -178,7 +179,8 @@ def test_two_dp_ranks_with_sharded_optimizer_state_equal_one_process(tmp_path):
             for r in range(2):
                 got = two[r][dtype]["weights"][name]
                 if dtype == "float32":
-                    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=name)
+                    tol = tolerance("weights", dict(rtol=1e-5, atol=1e-6), ref)
+                    torch.testing.assert_close(got, ref, **tol, msg=name)
                 else:  # bf16 compute on other packings: the updates agree within bf16 error
                     assert rel(got - before[name], ref - before[name]) <= 0.05, name
         # masters + two moments: 12 bytes a parameter, split over the ranks (padding: < 12 bytes a group)
@@ -193,6 +195,8 @@ def _resume_worker(rank, root, init_file):
         a = engine_for("bfloat16", lr=1e-2, schedule="cosine")
         a.train_step(sft_samples(6, 0)[rank::2], SFTLoss())
         saved = a.save_checkpoint(root)
+        moments = [{k: a.optimizer.optimizer.state[g.master][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+                   for g in a.optimizer.groups]  # fmt: skip
         expected = a.train_step(sft_samples(6, 1)[rank::2], SFTLoss())
         b = engine_for("bfloat16", lr=1e-2, schedule="cosine")
         b.load_checkpoint(saved)
@@ -200,7 +204,10 @@ def _resume_worker(rank, root, init_file):
         wa, wb = dict(a.full_state_dict()), dict(b.full_state_dict())
         pa, pb = a.named_mcore_parameters(), b.named_mcore_parameters()
         equal = all(torch.equal(wa[n], wb[n]) for n in wa) and all(torch.equal(pa[n], pb[n]) for n in pa)
-        torch.save({"equal": equal, "stats": (expected, got), "saved": str(saved)}, f"{root}/out.{rank}")
+        torch.save(
+            {"equal": equal, "stats": (expected, got), "saved": str(saved), "moments": moments},
+            f"{root}/out.{rank}",
+        )
 
 
 @two_ranks
@@ -208,26 +215,23 @@ def test_resume_of_sharded_bf16_state_continues_exactly_and_reshards(tmp_path):
     """dp = 2, bf16, sharded moments: save -> resume -> step is bit-equal to the uninterrupted step;
     the same checkpoint resumed by one process holds the two ranks' slices joined."""
     root = tmp_path / "ckpt"
-    start_processes(
-        _resume_worker, args=(str(root), str(tmp_path / "rdv")), nprocs=2, join=True
-    )
+    start_processes(_resume_worker, args=(str(root), str(tmp_path / "rdv")), nprocs=2, join=True)
     outs = [torch.load(root / f"out.{r}", weights_only=False) for r in range(2)]
     for out in outs:
         expected, got = out["stats"]
         assert (
-            out["equal"] and got[names.SFT_NLL] == expected[names.SFT_NLL] and got[names.TRAIN_LR] == expected[names.TRAIN_LR]
+            out["equal"]
+            and got[names.SFT_NLL] == expected[names.SFT_NLL]
+            and got[names.TRAIN_LR] == expected[names.TRAIN_LR]
         )
     saved = outs[0]["saved"]
-    from pathlib import Path
-
-    shards = [torch.load(Path(saved) / f"optim_tp0_dp{r}.pt", weights_only=False) for r in range(2)]
     init_distributed()
     one = engine_for("bfloat16", lr=1e-2, schedule="cosine")
     one.load_checkpoint(saved)
     for i, group in enumerate(one.optimizer.groups):
         state = one.optimizer.optimizer.state[group.master]
         for key in ("exp_avg", "exp_avg_sq"):
-            joined = torch.cat([s["groups"][i][key] for s in shards])[: group.numel]
+            joined = torch.cat([out["moments"][i][key] for out in outs])[: group.numel]  # the ranks' slices
             assert joined.abs().sum() > 0 and torch.equal(state[key][: group.numel], joined), key
         assert float(state["step"]) == 1.0
     assert one.version == 1
@@ -248,9 +252,7 @@ def test_bf16_on_tp2_equals_one_rank_within_bf16_error(tmp_path):
     """TP = 2 (the per-head q/k norms' partial gradients all-reduced in fp32) x DP = 1 in bf16, two
     steps with the MTP head: every tensor's update within bf16 error of one rank's (5% in norm)."""
     out = tmp_path / "out.pt"
-    start_processes(
-        _tp_worker, args=(str(out), str(tmp_path / "rdv")), nprocs=2, join=True
-    )
+    start_processes(_tp_worker, args=(str(out), str(tmp_path / "rdv")), nprocs=2, join=True)
     two = torch.load(out, weights_only=False)
     init_distributed()
     before = dict(engine_for("float32").full_state_dict())

@@ -22,6 +22,7 @@ from areal_npu.platform import current_platform  # noqa: E402
 from areal_npu.train.dist import init_distributed, process_group  # noqa: E402
 from areal_npu.train.losses import PPOLoss  # noqa: E402
 from areal_npu.train.optim import OptimConfig  # noqa: E402
+from tests.support.device import approx, tolerance  # noqa: E402
 from tests.support.megatron_tiny import make_samples, megatron_config, tiny_qwen3  # noqa: E402
 from tests.support.ranks import start_processes  # noqa: E402
 
@@ -59,13 +60,17 @@ def _step(engine):
 
 
 def _assert_same(got, want, rtol, atol):
+    """``rtol``, ``atol``: the CPU's; accelerators: :mod:`tests.support.device`."""
     for key in (names.PPO_LOSS, names.MTP_LOSS, names.mtp_acc_key(1), names.mtp_count_key(1)):
-        assert got["stats"][key] == pytest.approx(want["stats"][key], rel=rtol, abs=atol), key
+        assert got["stats"][key] == pytest.approx(
+            want["stats"][key], **approx("values", rtol, want["stats"][key], atol)
+        ), key
     assert want["stats"][names.MTP_LOSS] > 0
     assert sorted(got["grads"]) == sorted(want["grads"]) and any(n.startswith("mtp.") for n in want["grads"])
     for name, grad in want["grads"].items():
         assert grad.abs().sum() > 0, name
-        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol, msg=name)
+        tol = tolerance("grads", dict(rtol=rtol, atol=atol), grad)
+        torch.testing.assert_close(got["grads"][name], grad, **tol, msg=name)
 
 
 @pytest.fixture()
@@ -131,7 +136,7 @@ def saved_bytes(engine, n_tokens: int) -> int:
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 256, (16,), generator=g) for _ in range(n_tokens // 16)]
     batch = pack_sequences(seqs, alignment=1)
-    mb = to_megatron(batch, {}, 1, 0, None)
+    mb = to_megatron(batch, {}, 1, 0, None, engine.device)
     engine.module.train()
     engine.mtp.train()
     total = [0]

@@ -102,7 +102,9 @@ def test_an_engine_after_a_new_default_group_equals_one_before():
     from tests.support.megatron_tiny import make_samples, megatron_config, ppo_step_outputs, tiny_qwen3
 
     def step():
-        return ppo_step_outputs(MegatronEngine.from_hf_model(tiny_qwen3()[1], megatron_config()), make_samples(4))
+        return ppo_step_outputs(
+            MegatronEngine.from_hf_model(tiny_qwen3()[1], megatron_config()), make_samples(4)
+        )
 
     init_distributed()
     before = step()
