@@ -98,7 +98,7 @@ def test_aux_states_are_the_residual_stream_transformers_reports():
     lm, _, _ = build_tiny_model(TINY)
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), capture_aux_states(lm.model, [0, 1]) as aux:
-        out = lm.model(input_ids=ids, output_hidden_states=True)
+        out = lm.model(input_ids=ids, output_hidden_states=True, use_cache=False)
     for i in (0, 1):  # hidden_states[i]: after i layers (the last entry is post final norm: not comparable)
         assert torch.equal(aux[i], out.hidden_states[i])
 
@@ -166,7 +166,7 @@ def test_the_second_draft_step_attends_like_vllms_proposer():
     ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5))
     n, embed = len(ids), lm.get_input_embeddings().weight
     with torch.no_grad(), capture_aux_states(lm.model, drafter.aux_layers) as aux:
-        lm.model(input_ids=ids[None])
+        lm.model(input_ids=ids[None], use_cache=False)
     states = [aux[i][0] for i in drafter.aux_layers]
     nxt = torch.cat([ids[1:], ids[:1]])  # ids_{t+1} (the last one predicts nothing)
     with torch.no_grad():
