@@ -148,11 +148,15 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     drafter = None
     if cfg.eagle3.enabled:  # the engines start from the trainer's drafter (recipe.py derives the path)
+        from transformers import AutoConfig
+
         from areal_npu.model.eagle3 import initial_drafter, save_eagle3_drafter
+        from areal_npu.model.layout import declared_dtype
 
         drafter = initial_drafter(policy_dir, cfg.eagle3, cfg.seed)
-        if rank == 0:
-            save_eagle3_drafter(drafter, cfg.rollout.spec.draft_model)
+        if rank == 0:  # in the policy's dtype: vLLM loads a drafter in the target model's dtype
+            dtype = declared_dtype(AutoConfig.from_pretrained(policy_dir))
+            save_eagle3_drafter(drafter, cfg.rollout.spec.draft_model, dtype)
     engine = build_engine(cfg.train, policy_dir, cfg.mtp, tokenizer.pad_token_id, drafter, cfg.eagle3)
     start_step = 0
     extra = engine.load_checkpoint(checkpoint) if checkpoint is not None else None

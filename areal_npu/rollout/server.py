@@ -118,6 +118,9 @@ async def serve(cfg: RolloutConfig, port: int, secret: str) -> None:
             app = vllm_api.build_app(args, supported, engine.model_config)
             await vllm_api.init_app_state(engine, app.state, args, supported)
             app.include_router(make_router(EngineState(engine, cfg)))
+            # vLLM-Ascend leaves an eagle3 drafter its own, unloaded output head (inplace_reload.py)
+            if cfg.spec.method == "eagle3":
+                await engine.collective_rpc("areal_tie_draft_head")
             why = raw_sampling.why_raw(cfg)
             if why is not None:  # vLLM's routes, asked for log-probs of a transformed distribution: 400
                 raw_sampling.install(app, why, engine.model_config.get_diff_sampling_param())

@@ -9,7 +9,10 @@ layer-wise reload, which runs that processing again and copies the result into t
 place (``rollout/inplace_reload.py``: the sequence and its checks). The MTP drafter is a separate
 module in vLLM: loading the policy refreshes only what it shares with the drafter (embedding,
 output head), so the drafter's own ``mtp.*`` weights get their own session against the drafter
-module (``get_draft_model()`` on vLLM 0.32; the model runner's ``drafter.model`` on 0.23).
+module (``get_draft_model()`` on vLLM 0.32; the model runner's ``drafter.model`` on 0.23 and on
+vLLM-Ascend 0.23), as do the EAGLE-3 drafter's (``fc``, ``midlayer.*``, ``norm``). vLLM-Ascend
+leaves an ``eagle3`` drafter an output head of its own, which our checkpoint never fills: the server
+and every update copy the policy's head into it (``inplace_reload.tie_draft_head``).
 """
 
 from __future__ import annotations

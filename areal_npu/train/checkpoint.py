@@ -1,8 +1,9 @@
 """Atomic, resumable checkpoints of a train engine: the directory protocol both engines share.
 
 Layout of ``<root>/step_<N>/``: a Hugging Face checkpoint (``config.json``, ``model.safetensors`` or
-shards with their index, with the ``mtp.*`` weights, the tokenizer) that vLLM and transformers load
-as is, plus the engine's fp32 masters and optimizer state (``optim/``: DCP directories, each rank
+shards with their index, with the ``mtp.*`` weights, the tokenizer; in the dtype the model's config
+declares, bf16 for a published Qwen3.5/3.6) that vLLM and transformers load as is, plus the
+engine's fp32 masters and optimizer state (``optim/``: DCP directories, each rank
 writing its own shards, and ``optim.pt``, their index: :mod:`areal_npu.train.fsdp2_checkpoint`,
 :mod:`areal_npu.train.megatron.checkpoint`), ``trainer_state.json`` (version, scheduler, the
 caller's state such as the data position), ``rng_rank<r>.pt`` and, written last,

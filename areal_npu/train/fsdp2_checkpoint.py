@@ -1,8 +1,9 @@
 """The FSDP2 engine's checkpoints (:meth:`areal_npu.train.fsdp2.FSDPEngine.save_checkpoint`), in the
 directory protocol of :mod:`areal_npu.train.checkpoint` (the Megatron engine's layout):
 
-- the Hugging Face checkpoint in the layout the model came from (a published checkpoint keeps its
-  outer config, ``model.language_model.*`` names and untouched vision tower), streamed one tensor
+- the Hugging Face checkpoint in the layout and dtype the model came from (a published checkpoint
+  keeps its outer config, ``model.language_model.*`` names, untouched vision tower and declared
+  ``bfloat16``: the fp32 masters are written rounded to it), streamed one tensor
   at a time (each gathered over the FSDP ranks, written by rank 0) into shards of at most 5 GB with
   an index (:mod:`areal_npu.model.hf_shards`): what vLLM and transformers load;
 - ``optim/``: torch.distributed.checkpoint (DCP) directories, ``master`` (the fp32 parameters, the
@@ -45,16 +46,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None) -> Path:
-    """The engine's weights (fp32, with ``mtp.*``) as a Hugging Face checkpoint that vLLM loads as
-    is, in the layout the engine's model came from, streamed one tensor at a time. Collective (every
+def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, max_shard_bytes=None) -> Path:
+    """The engine's weights (the fp32 masters, with ``mtp.*``) as a Hugging Face checkpoint that
+    vLLM loads as is, in the layout and the dtype the engine's model came from (a published bf16
+    checkpoint: the masters rounded to bf16; :meth:`areal_npu.model.layout.CheckpointLayout.save`),
+    streamed one tensor at a time into shards of at most ``max_shard_bytes``. Collective (every
     rank takes part in each tensor's gather); only rank 0 writes."""
     tensors = engine.full_state_dict()
     out = Path(out_dir)
+    limit = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     if _rank() == 0:
         if engine.mtp is not None:
             engine.lm.config.mtp_num_hidden_layers = engine.mtp.num_layers
-        engine.layout.save(out, tensors, engine.lm.config, tokenizer)
+        engine.layout.save(out, tensors, engine.lm.config, tokenizer, **limit)
     else:
         for _ in tensors:  # the collectives of the gather
             pass

@@ -57,3 +57,27 @@ def test_one_shard_is_model_safetensors_and_a_new_export_replaces_the_old_shards
     )
     with pytest.raises(ValueError, match="positive"):
         ShardedSafetensorsWriter(tmp_path, 0)
+
+
+@pytest.mark.parametrize("declared", ["bfloat16", "float32", None])
+def test_floating_tensors_take_the_declared_dtype_and_integers_stay(tmp_path, declared):
+    """bfloat16 declared: floats rounded by torch's ``.to(torch.bfloat16)``; float32 declared, or no
+    dtype at all: written as given; integer tensors unchanged either way; the config file declares
+    what was written and the live config is left alone (engine exports in bf16:
+    tests/train/test_fsdp2_export_dtype.py, megatron/test_export.py)."""
+    config, model = tiny_qwen3(dtype=declared)
+    want = getattr(torch, declared) if declared else torch.float32
+    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    state["step_count"] = torch.arange(3)  # not floating: written as it is
+    CheckpointLayout().save(tmp_path, iter(state.items()), config)
+    dtypes, written = {}, {}
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            dtypes[name], written[name] = f.get_slice(name).get_dtype(), f.get_tensor(name)
+    assert dtypes.pop("step_count") == "I64" and torch.equal(
+        written.pop("step_count"), state.pop("step_count")
+    )
+    assert set(dtypes.values()) == {"BF16" if want == torch.bfloat16 else "F32"}
+    assert all(torch.equal(written[n], t.to(want)) for n, t in state.items())
+    assert json.loads((tmp_path / "config.json").read_text()).get("dtype") == declared
+    assert config.dtype == (want if declared else None)

@@ -3,7 +3,8 @@
 ``<root>/step_<N>/`` holds a Hugging Face checkpoint (``config.json``, the weights under HF names in
 the published layout: ``model.safetensors`` or shards of at most ``max_shard_bytes`` with
 ``model.safetensors.index.json``; what vLLM and transformers load, whatever the TP layout; streamed
-tensor by tensor from the compute-dtype params, gathered over TP one tensor at a time), ``optim/``
+tensor by tensor from the compute-dtype params, gathered over TP one tensor at a time, in the
+dtype the checkpoint's config declares), ``optim/``
 (the fp32 masters and AdamW moments, each rank writing the slices it owns: :mod:`.dist_optim`),
 ``optim.pt`` (the layout, AdamW's step counts and hyper-parameters), ``trainer_state.json``
 (version, scheduler, the caller's ``extra``), ``rng_rank<r>.pt`` and, written last,
@@ -59,8 +60,9 @@ def export_buckets(engine, bucket_bytes: int, kinds):
 def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, max_shard_bytes=None) -> Path:
     """The weights as a Hugging Face checkpoint in the layout the model came from (``config.json``,
     the weights in shards, a published checkpoint's vision tower and processor files, the
-    tokenizer), from the params in the compute dtype. Collective (every rank gathers one tensor at a
-    time over TP and pipeline stages); only rank 0 writes."""
+    tokenizer), from the params in the compute dtype, written in the dtype the checkpoint declares
+    (:meth:`areal_npu.model.layout.CheckpointLayout.save`: bf16 for a published one). Collective
+    (every rank gathers one tensor at a time over TP and pipeline stages); only rank 0 writes."""
     out = Path(out_dir)
     limit = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     params = dict(engine.module.named_parameters())

@@ -64,3 +64,53 @@ def test_export_buckets_load_into_transformers_with_the_same_logits():
     for s, lp in zip(samples, engine.compute_logprobs(samples)):
         want = reference_logprobs(loaded.double(), s.input_ids).detach()
         torch.testing.assert_close(lp.double(), want, **tolerance("values", dict(rtol=1e-5, atol=1e-5), want))
+
+
+def test_a_bf16_checkpoint_is_exported_in_bf16_from_the_fp32_masters(tmp_path):
+    """``config.json`` declaring bfloat16 (as Qwen3.5/3.6 ship): the export's floating tensors, read
+    back by the safetensors library, are BF16 and equal the fp32 masters (gathered by hand,
+    ``optimizer_state_by_hand``) rounded by torch's ``.to(torch.bfloat16)``; several shards with an
+    index of 2 bytes an element; the saved config declares bfloat16; an engine loaded from the
+    export exports the same bits again."""
+    import json
+
+    from safetensors import safe_open
+
+    from areal_npu.testing.load_memory import write_checkpoint
+    from areal_npu.train.megatron.checkpoint import write_hf_checkpoint
+    from areal_npu.train.megatron.engine import MegatronEngine
+    from tests.support.megatron_tiny import optimizer_state_by_hand
+
+    config, _ = tiny_qwen3(dtype="bfloat16")
+    write_checkpoint(tmp_path / "src", config, shard_bytes=1 << 16)  # fp32 values: not bf16 ones
+    cfg = megatron_config(packing=PackingConfig(max_tokens_per_mb=64), optim=OptimConfig(lr=1e-2))
+    engine = MegatronEngine.from_checkpoint(tmp_path / "src", cfg)
+    engine.train_step(
+        [TrainSample(input_ids=s.input_ids, loss_mask=s.loss_mask) for s in make_samples()], SFTLoss()
+    )
+    masters = optimizer_state_by_hand(engine)["master"]
+    out = write_hf_checkpoint(engine, tmp_path / "export", max_shard_bytes=1 << 16)
+    written, total = {}, 0
+    for path in sorted(out.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                assert f.get_slice(name).get_dtype() == "BF16", name
+                written[name] = f.get_tensor(name)
+                total += written[name].numel() * 2
+    assert sorted(written) == sorted(masters) and len(list(out.glob("*.safetensors"))) > 2
+    rounded = 0
+    for name, master in masters.items():
+        master = master.cpu()
+        assert master.dtype == torch.float32
+        assert torch.equal(written[name], master.to(torch.bfloat16)), name
+        rounded += int(not torch.equal(written[name].float(), master))
+    assert rounded == len(masters)  # every tensor lost bits: the export is not the fp32 masters
+    assert json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"] == total
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    again = write_hf_checkpoint(MegatronEngine.from_checkpoint(out, cfg), tmp_path / "again")
+    seen = set()
+    for path in again.glob("*.safetensors"):  # bf16 -> fp32 masters -> bf16: the same bits
+        with safe_open(str(path), framework="pt") as f:
+            seen.update(f.keys())
+            assert all(torch.equal(f.get_tensor(n), written[n]) for n in f.keys())
+    assert seen == set(written)
