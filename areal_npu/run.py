@@ -99,6 +99,33 @@ def _base_policy(cfg: RLConfig, run_dir: Path, train_tasks, console, rank: int) 
     return out
 
 
+def _trainer(cfg: RLConfig, policy_dir: Path, checkpoint: Path | None, pad_token_id: int):
+    """``(train engine, the checkpoint's extra state or None)``: built on ``policy_dir``, resumed
+    from ``checkpoint`` when given. With ``eagle3.enabled`` the engine trains a drafter (the initial
+    one: ``eagle3.init_dir``'s or a new one), and the drafter the engines start from
+    (``rollout.spec.draft_model``, recipe.py derives the path) is written from the engine *after*
+    the resume: a resumed run's engines start from the trained drafter the checkpoint holds, not
+    from a fresh one. Collective (every rank builds, loads and gathers the drafter); rank 0 writes the drafter."""
+    from areal_npu.train.factory import build_engine
+
+    drafter = None
+    if cfg.eagle3.enabled:
+        from areal_npu.model.eagle3 import initial_drafter
+
+        drafter = initial_drafter(policy_dir, cfg.eagle3, cfg.seed)
+    engine = build_engine(cfg.train, policy_dir, cfg.mtp, pad_token_id, drafter, cfg.eagle3)
+    extra = engine.load_checkpoint(checkpoint) if checkpoint is not None else None
+    if cfg.eagle3.enabled:  # in the policy's dtype: vLLM loads a drafter in the target model's dtype
+        from transformers import AutoConfig
+
+        from areal_npu.model.layout import declared_dtype
+        from areal_npu.train.fsdp2_checkpoint import write_eagle3_drafter
+
+        dtype = declared_dtype(AutoConfig.from_pretrained(policy_dir))
+        write_eagle3_drafter(engine, cfg.rollout.spec.draft_model, dtype)
+    return engine, extra
+
+
 def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     """The whole job; returns a summary (start/end reward, steps, seconds).
 
@@ -116,7 +143,7 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
     from areal_npu.train import ranks
     from areal_npu.train.checkpoint import checkpoint_to_resume
     from areal_npu.train.dist import init_distributed
-    from areal_npu.train.factory import build_engine, check_world_size
+    from areal_npu.train.factory import check_world_size
 
     start_time = time.time()
     run_dir = Path(cfg.run_dir)
@@ -146,20 +173,8 @@ def run_rl(cfg: RLConfig, resume: bool = False) -> dict:
         checkpoint if checkpoint is not None else _base_policy(cfg, run_dir, train_tasks, console, rank)
     )
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    drafter = None
-    if cfg.eagle3.enabled:  # the engines start from the trainer's drafter (recipe.py derives the path)
-        from transformers import AutoConfig
-
-        from areal_npu.model.eagle3 import initial_drafter, save_eagle3_drafter
-        from areal_npu.model.layout import declared_dtype
-
-        drafter = initial_drafter(policy_dir, cfg.eagle3, cfg.seed)
-        if rank == 0:  # in the policy's dtype: vLLM loads a drafter in the target model's dtype
-            dtype = declared_dtype(AutoConfig.from_pretrained(policy_dir))
-            save_eagle3_drafter(drafter, cfg.rollout.spec.draft_model, dtype)
-    engine = build_engine(cfg.train, policy_dir, cfg.mtp, tokenizer.pad_token_id, drafter, cfg.eagle3)
+    engine, extra = _trainer(cfg, policy_dir, checkpoint, tokenizer.pad_token_id)
     start_step = 0
-    extra = engine.load_checkpoint(checkpoint) if checkpoint is not None else None
     leader = None
     if world > 1:
         channel = ranks.RankChannel(data=ranks.data_rank(engine))  # Megatron: TP/CP peers share samples

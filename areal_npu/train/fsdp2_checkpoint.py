@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from areal_npu.train.checkpoint import OPTIM_DIR, read_trainer_state, write_checkpoint
 
-__all__ = ["load_checkpoint", "save_checkpoint", "write_hf_checkpoint"]
+__all__ = ["load_checkpoint", "save_checkpoint", "write_eagle3_drafter", "write_hf_checkpoint"]
 
 FORMAT = "fsdp2-dcp"
 MASTER = "master"
@@ -63,6 +63,24 @@ def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, max_shard_b
         for _ in tensors:  # the collectives of the gather
             pass
     return out
+
+
+def write_eagle3_drafter(engine, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """The engine's EAGLE-3 drafter as it holds it now (the fp32 masters, rounded to ``dtype``) in
+    the directory vLLM's ``speculative_config={"method": "eagle3", "model": out_dir}`` loads
+    (:func:`areal_npu.model.eagle3.save_eagle3_drafter`). Collective (every rank takes part in each
+    tensor's gather); only rank 0 writes."""
+    from areal_npu.model.eagle3 import Eagle3Drafter, save_eagle3_drafter
+    from areal_npu.names import EAGLE3_PREFIX
+
+    if engine.eagle3 is None:
+        raise ValueError("the engine trains no EAGLE-3 drafter (eagle3.enabled)")
+    tensors = {n.removeprefix(EAGLE3_PREFIX): t for n, t in engine.eagle3_state_dict()}
+    if _rank() == 0:
+        held = Eagle3Drafter(engine.eagle3.config)
+        held.load_state_dict(tensors)
+        save_eagle3_drafter(held, out_dir, dtype)
+    return Path(out_dir)
 
 
 def _optimizer_parts(engine) -> tuple[dict[str, dict[str, DTensor]], dict]:
