@@ -268,10 +268,10 @@ class RLConfig(ExperimentConfig):
         if self.controller.batch_groups > self.task.n_train:
             raise ConfigError("controller.batch_groups", "exceeds task.n_train")
         self._check_task_kind()
-        if not _PLANNING:  # a plan describes other machines; a run needs an engine that can train here
-            from areal_npu.train.factory import check_trainer
+        from areal_npu.train.factory import check_trainer
 
-            check_trainer(self)
+        # a plan describes other machines (the checkpoint maybe absent): all but the model's checks
+        check_trainer(self, with_model=not _PLANNING)
 
     def _check_sections_off(self) -> None:
         """A setting of a section that is off is refused (nothing accepted and ignored) when it differs

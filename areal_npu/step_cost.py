@@ -20,8 +20,9 @@ Three phases, each from one cost (device-seconds per token, or seconds per byte)
 The costs come from the one published timing of this model (:data:`PUBLISHED_RUN`, the seed
 "THD Packing & MTP Speculative Decoding Tame 64K Code Agent RL on Ascend NPUs", AReaL-Ascend
 v1.0.5): its phase times divided by its work. Its configuration is not published beyond model,
-chip, 64K context and MTP drafting; the rest is assumed to be this repository's 2-node A3 recipe
-(:data:`PUBLISHED_RUN.assumed`), so fed that configuration the model returns the published times,
+chip, 64K context and MTP drafting; the rest is assumed to be this repository's A3 recipe at its
+default 4 nodes (:data:`PUBLISHED_RUN.assumed`; the smallest layout the memory budget accepts: at 2
+nodes the trainer does not fit), so fed that configuration the model returns the published times,
 and a plan twice its size predicts from there. The phases are added: an upper bound where
 ``controller.max_staleness >= 1`` overlaps rollout with training.
 """
@@ -155,13 +156,14 @@ def step_time(config: StepConfig, costs: StepCosts) -> StepTime:
     )
 
 
-#: The 2-node A3 recipe (recipes/code_agent_64k/qwen3_6_27b_a3.yaml): trainer tp 8 x dp 2 on one
-#: node, 4 engines x tp 4 on the other, 8 groups x 8 episodes of 64K tokens, MTP k = 3. Weight bytes:
+#: The A3 recipe at its default 4 nodes (recipes/code_agent_64k/qwen3_6_27b_a3.yaml): trainer
+#: dp 2 x tp 8 x cp 2 on nodes 0-1, 8 engines x tp 4 on nodes 2-3, 8 groups x 8 episodes of 64K
+#: tokens, MTP k = 3. Weight bytes:
 #: bf16 weights of the shipped config (qwen3_6_27b_config.json) with its MTP layer, 27,320,697,856
 #: parameters (ModelDims.num_parameters(with_mtp=True); tests/test_step_cost.py checks it).
-_RECIPE_2_NODES = StepConfig(
+_RECIPE_DEFAULT = StepConfig(
     episodes=64, episode_tokens=65536, mb_tokens=65536, weight_bytes=2 * 27_320_697_856,
-    dp=2, tp=8, cp=1, pp=1, engines=4, engine_tp=4, in_flight=128, spec_k=3,
+    dp=2, tp=8, cp=2, pp=1, engines=8, engine_tp=4, in_flight=128, spec_k=3,
 )  # fmt: skip
 
 PUBLISHED_RUN = PublishedRun(
@@ -176,12 +178,12 @@ PUBLISHED_RUN = PublishedRun(
     t_gen_s=2000.0,
     t_train_s=1300.0,
     t_sync_s=25.0,
-    config=_RECIPE_2_NODES,
+    config=_RECIPE_DEFAULT,
     gen_speedup=100.0 / 56.6,
     gen_speedup_source="1.77x at k = 3, the published 8B measurement (EAGLE-3, synchronous RL: 100 -> 56.6 s)",
     assumed=(
-        "nodes, layout, batch and episode lengths unpublished: taken as the 2-node A3 recipe (trainer tp 8 x dp 2, "
-        "4 engines x tp 4, 8 x 8 episodes of 64K); its rollouts speculating with MTP k = 3"
+        "nodes, layout, batch and episode lengths unpublished: taken as the 4-node A3 recipe (trainer dp 2 x tp 8 "
+        "x cp 2, 8 engines x tp 4, 8 x 8 episodes of 64K); its rollouts speculating with MTP k = 3"
     ),
 )
 

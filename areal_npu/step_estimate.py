@@ -34,6 +34,7 @@ from areal_npu.config import ConfigError
 from areal_npu.memory_budget import DeviceBudget, device_budget
 from areal_npu.memory_model import GIB, MemoryEstimate, ModelDims, ParallelLayout, estimate_step_memory
 from areal_npu.step_cost import PUBLISHED_RUN, PublishedRun, StepConfig, StepTime, step_time
+from areal_npu.train.factory import check_megatron_layout
 
 #: Memory of one device: an Ascend A2 (910B) NPU and one A3 (910C) die each have 64 GB of HBM.
 #: Other kinds differ from machine to machine: no verdict is printed for them.
@@ -174,14 +175,17 @@ def memory_dict(estimate: MemoryEstimate, budget: DeviceBudget) -> dict[str, Any
 
 def layout_allowed(cfg, dims: ModelDims, tp: int, cp: int, pp: int) -> bool:
     """Whether the model splits over tp / cp / pp: attention heads over tp (key/value heads divide
-    or are replicated), Gated DeltaNet heads over tp x cp, layers evenly over pp; sequence
-    parallelism needs cp 1; the FSDP2 engine has dp only."""
+    or are replicated), Gated DeltaNet heads over tp x cp, layers evenly over pp; and whether the
+    Megatron engine takes the recipe at that layout (:func:`check_megatron_layout`: e.g. its MTP head
+    has no pipeline stages); the FSDP2 engine has dp only."""
     if cfg.train.backend != "megatron":
         return tp == cp == pp == 1
     kv = dims.num_key_value_heads
     if dims.num_attention_heads % tp or (kv % tp and tp % kv) or dims.num_layers % pp:
         return False
-    if cp > 1 and cfg.train.megatron.sequence_parallel:
+    try:
+        check_megatron_layout(cfg, tp, cp, pp)
+    except ConfigError:
         return False
     linear = "linear_attention" in dims.layer_types
     return not linear or not (

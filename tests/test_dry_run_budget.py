@@ -103,13 +103,13 @@ def test_data_parallel_part_is_inverse_in_the_nodes_and_sync_is_not():
 
 def test_train_time_is_the_1f1b_formula_and_speculation_divides_rollout():
     costs, base = PUBLISHED_RUN.costs(), PUBLISHED_RUN.config
-    c = 1300.0 * 8 / (16 * T)  # device-seconds per token: 16 micro-batches of T tokens on tp 8 in 1300 s
+    c = 1300.0 * 16 / (16 * T)  # device-seconds per token: 16 micro-batches of T tokens on tp 8 x cp 2 in 1300 s
     assert costs.train_s_per_token == pytest.approx(c)
-    pp2 = step_time(scaled(base, dp=1, pp=2), costs)  # same 16 devices: 32 micro-batches, 2 stages
-    assert pp2.t_train == pytest.approx((32 + 2 - 1) * T * c / (8 * 2))
+    pp2 = step_time(scaled(base, cp=1, pp=2), costs)  # same 32 devices: 16 micro-batches, 2 stages
+    assert pp2.t_train == pytest.approx((16 + 2 - 1) * T * c / (8 * 2))
     off = step_time(scaled(base, spec_k=0), costs)
     assert off.t_gen == pytest.approx(2000 * 100 / 56.6) and off.gen_speedup == 1
-    capped = step_time(scaled(base, engines=8, in_flight=4), costs)  # 4 episodes in flight: 4 engines work
+    capped = step_time(scaled(base, engines=16, in_flight=8), costs)  # 8 episodes in flight: 8 engines work
     assert capped.t_gen_ar == pytest.approx(off.t_gen_ar) and any("idle" in n for n in capped.notes)
 
 
@@ -126,8 +126,8 @@ def _dry_run(capsys, monkeypatch, *args):
     return code, out.out, out.err
 
 
-TWO_NODES = ("--nodes", "2", "train.dp_size=2", "rollout.num_engines=4")
-FOUR_NODES_PP2 = ("--nodes", "4", "train.dp_size=2", "train.megatron.pp_size=2", "rollout.num_engines=8")
+TWO_NODES = ("--nodes", "2", "train.dp_size=2", "train.megatron.cp_size=1", "rollout.num_engines=4")
+FOUR_NODES = ("--nodes", "4", "train.dp_size=2", "rollout.num_engines=8")  # the recipe's cp 2
 
 
 def test_refused_above_the_fraction_with_exit_2_and_layouts_that_fit(capsys, monkeypatch):
@@ -136,18 +136,19 @@ def test_refused_above_the_fraction_with_exit_2_and_layouts_that_fit(capsys, mon
     budget = data["estimates"]["memory"]["budget"]
     assert budget["fraction"] > 0.85 and budget["fits"] is False
     assert code == 2 and "refused" in err and "train.max_memory_fraction=0.85" in err
-    assert "train.megatron.pp_size=2" in err  # a layout that fits, by name (4 nodes at pp 2)
-    code, out, err = _dry_run(capsys, monkeypatch, *FOUR_NODES_PP2, "--json")
+    assert "train.megatron.cp_size=2" in err  # a layout that fits, by name (4 nodes at cp 2)
+    assert "pp_size" not in err  # the MTP head has no pipeline stages: no such layout is offered
+    code, out, err = _dry_run(capsys, monkeypatch, *FOUR_NODES, "--json")
     fraction = json.loads(out)["estimates"]["memory"]["budget"]["fraction"]
     assert code == 0 and fraction <= 0.85 and "refused" not in err
     code, _, err = _dry_run(
-        capsys, monkeypatch, *FOUR_NODES_PP2, f"train.max_memory_fraction={fraction - 0.01:.2f}"
+        capsys, monkeypatch, *FOUR_NODES, f"train.max_memory_fraction={fraction - 0.01:.2f}"
     )
     assert code == 2 and "refused" in err
 
 
 def test_summary_first_one_row_per_role_and_verbose_details(capsys, monkeypatch):
-    code, out, _ = _dry_run(capsys, monkeypatch, *FOUR_NODES_PP2, "--master-addr", "10.0.0.1")
+    code, out, _ = _dry_run(capsys, monkeypatch, *FOUR_NODES, "--master-addr", "10.0.0.1")
     lines = out.splitlines()
     assert code == 0 and lines[0].startswith("placement: 4 A3 node(s)") and "launcher ray" in lines[0]
     head = "\n".join(lines[:12])
@@ -159,6 +160,6 @@ def test_summary_first_one_row_per_role_and_verbose_details(capsys, monkeypatch)
     assert (
         "127.0.0.1" not in out and "<node0>" not in out and "--master-addr" not in out
     )  # given: no placeholder, no note asking
-    code, verbose, _ = _dry_run(capsys, monkeypatch, *FOUR_NODES_PP2, "--verbose")
+    code, verbose, _ = _dry_run(capsys, monkeypatch, *FOUR_NODES, "--verbose")
     assert "trainer/31" in verbose and "Ray placement groups" in verbose and "estimated peak" in verbose
     assert "give it with --master-addr ADDR (the recipe scripts: MASTER_ADDR=ADDR)" in verbose

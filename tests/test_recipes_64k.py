@@ -95,7 +95,7 @@ def dry_runs(tmp_path_factory):
         pytest.skip(f"no areal-npu command beside {sys.executable} (pip install -e .)")
     cwd = tmp_path_factory.mktemp("dry-run")
     out = {}
-    for chip, nodes in (("a3", 2), ("a3", 4), ("a2", 4), ("a2", 8)):
+    for chip, nodes in (("a3", 2), ("a3", 4), ("a3", 8), ("a2", 8)):
         result = _script(chip, "--dry-run", "--json", cwd=cwd, NNODES=str(nodes))
         out[chip, nodes] = result
     assert not any(cwd.iterdir()), "a dry run wrote files"
@@ -144,16 +144,17 @@ def _verdict_matches_exit(result) -> dict:
     return plan
 
 
-@pytest.mark.parametrize(("chip", "nodes"), [("a3", 2), ("a3", 4), ("a2", 4), ("a2", 8)])
+@pytest.mark.parametrize(("chip", "nodes"), [("a3", 2), ("a3", 4), ("a3", 8), ("a2", 8)])
 def test_dry_run_plans_every_device_and_budgets_memory(dry_runs, chip, nodes):
     plan = _verdict_matches_exit(dry_runs[chip, nodes])
     per_node = CHIPS[chip]
     assert (plan["device_kind"], plan["nodes"], plan["device_ids"]) == ("npu", nodes, list(range(per_node)))
-    # half the nodes train (tp 8 groups, one device per rank), the other half serve tp-4 engines
+    # half the nodes train (tp 8 x cp 2 groups, one device per rank), the other half serve tp-4 engines
     trainers = [p for p in plan["processes"] if p["role"] == "trainer"]
     engines = [p for p in plan["processes"] if p["role"] == "engine"]
     layout = plan["trainer"]
-    assert (layout["tp"], layout["cp"], layout["pp"]) == (8, 1, 1)
+    assert (layout["tp"], layout["cp"], layout["pp"]) == (8, 2, 1)
+    assert layout["dp"] == nodes // 2 * per_node // 16
     assert len(trainers) == layout["world_size"] == nodes // 2 * per_node
     assert plan["num_engines"] == len(engines) == (nodes - nodes // 2) * per_node // 4
     assert {p["node"] for p in trainers} == set(range(nodes // 2))
@@ -202,8 +203,9 @@ def test_memory_is_memory_model_at_the_recipes_layout(dry_runs, chip, nodes):
     params = _params_by_hand(text, with_mtp=True)
     assert plan["estimates"]["model"]["parameters_with_mtp"] == params
     assert plan["estimates"]["model"]["parameters"] == _params_by_hand(text, with_mtp=False)
-    # Megatron: the distributed optimizer shards masters and states over dp; gradients are not
-    shard = t["dp"] * t["tp"] * t["pp"]
+    # Megatron: the distributed optimizer shards masters and states over dp x cp (the group gradients
+    # are summed over); gradients are not
+    shard = t["dp"] * t["cp"] * t["tp"] * t["pp"]
     assert memory["bytes"]["parameters (fp32 master)"] == pytest.approx(4 * params / shard, rel=1e-12)
     assert memory["bytes"]["optimizer states (AdamW, 2 x fp32)"] == pytest.approx(
         8 * params / shard, rel=1e-12
@@ -233,18 +235,19 @@ def test_shipped_dims_match_transformers_qwen3_5_model():
     assert json.loads(MODEL_JSON.read_text())["_assumptions"], "unpublished numbers must be marked"
 
 
-def test_step_time_reproduces_the_published_run_and_halves_with_twice_the_nodes(dry_runs):
-    """At the published run's (assumed) configuration, the 2-node A3 recipe, the prediction is the
-    published step; with 4 nodes (dp and engines x 2) rollout and training halve, sync stays."""
-    a3 = json.loads(dry_runs["a3", 2].stdout)["estimates"]["step_time"]
-    assert "AReaL-Ascend v1.0.5" in a3["source"] and any("2-node A3 recipe" in a for a in a3["assumptions"])
-    two = a3["seconds"]
-    assert (two["gen"], two["train"], two["sync"]) == pytest.approx((2000.0, 1300.0, 25.0))
-    assert two["gen_speedup"] == pytest.approx(100 / 56.6)  # the published speed-up at k = 3
-    four = json.loads(dry_runs["a3", 4].stdout)["estimates"]["step_time"]["seconds"]
-    assert (four["gen"], four["train"], four["sync"]) == pytest.approx((1000.0, 650.0, 25.0))
-    a2 = json.loads(dry_runs["a2", 4].stdout)["estimates"]["step_time"]  # the same 32 devices on A2 nodes
-    assert a2["seconds"]["step"] == pytest.approx(two["step"])
+def test_step_time_reproduces_the_published_run_and_scales_with_the_nodes(dry_runs):
+    """At the published run's (assumed) configuration, the A3 recipe at its default 4 nodes, the
+    prediction is the published step; with 8 nodes (dp and engines x 2) rollout and training halve
+    (no pipeline stages: no bubble), sync stays."""
+    a3 = json.loads(dry_runs["a3", 4].stdout)["estimates"]["step_time"]
+    assert "AReaL-Ascend v1.0.5" in a3["source"] and any("4-node A3 recipe" in a for a in a3["assumptions"])
+    four = a3["seconds"]
+    assert (four["gen"], four["train"], four["sync"]) == pytest.approx((2000.0, 1300.0, 25.0))
+    assert four["gen_speedup"] == pytest.approx(100 / 56.6)  # the published speed-up at k = 3
+    eight = json.loads(dry_runs["a3", 8].stdout)["estimates"]["step_time"]["seconds"]
+    assert (eight["gen"], eight["train"], eight["sync"]) == pytest.approx((1000.0, 650.0, 25.0))
+    a2 = json.loads(dry_runs["a2", 8].stdout)["estimates"]["step_time"]  # the same 64 devices on A2 nodes
+    assert a2["seconds"]["step"] == pytest.approx(four["step"])
     assert any("costs of A3 taken for A2" in a for a in a2["assumptions"])
     assert a3["command"].startswith("areal-npu plan --t-gen 3533.57 --t-train 1300 --t-sync 25")
 
@@ -324,6 +327,13 @@ def test_recipes_validate_for_npu_with_the_dry_run_escape(tmp_path, monkeypatch)
         with described_device("npu"), pytest.raises(ConfigError) as err:
             load_config(RLConfig, recipe)
         assert err.value.key == "model.path"
+        # a plan is checked against what the Megatron engine refuses, the model aside (its MTP head
+        # has no pipeline stages; a seq-mean loss needs whole sequences, which cp 2 splits)
+        for override, key in (("train.megatron.pp_size=2", "train.megatron.pp_size"),
+                              ("ppo.loss_agg=seq-mean", "ppo.loss_agg")):  # fmt: skip
+            with described_device("npu"), planning_only(), pytest.raises(ConfigError) as err:
+                load_config(RLConfig, recipe, [override])
+            assert err.value.key == key, err.value
 
 
 # ---- the scripts ----
@@ -336,14 +346,15 @@ def test_script_text_dry_run_is_a_summary_and_verbose_has_the_rest(tmp_path):
     assert len(lines) < 50 and "LAUNCHER=ray" in lines[0]
     # every missing input at once, then the summary: placement (for Ray), memory with reserve, step time
     assert all(w in out.stdout for w in ("MASTER_ADDR (node 0", "MODEL_PATH (", "TASKS ("))
-    for words in ("placement: 2 A3 node(s)", "launcher ray", "dp 2 x tp 8", "reserve", "of 64 GiB",
-                  "train.max_memory_fraction", "step time: ~", "AReaL-Ascend v1.0.5", "16 rank(s)", "4 x tp 4",
+    for words in ("placement: 4 A3 node(s)", "launcher ray", "dp 2 x tp 8 x pp 1 x cp 2", "reserve", "of 64 GiB",
+                  "train.max_memory_fraction", "step time: ~", "AReaL-Ascend v1.0.5", "32 rank(s)", "8 x tp 4",
                   "give it with --master-addr ADDR (the recipe scripts: MASTER_ADDR=ADDR)"):  # fmt: skip
         assert words in out.stdout, words
-    assert "trainer/15" not in out.stdout and "VLLM_CPU_KVCACHE_SPACE" not in out.stdout
+    assert out.returncode == 0, out.stderr  # the default layout fits
+    assert "trainer/31" not in out.stdout and "VLLM_CPU_KVCACHE_SPACE" not in out.stdout
     verbose = _script("a3", "--dry-run", "--verbose", cwd=tmp_path, MASTER_ADDR="10.0.0.1")
     for words in ("PYTORCH_NPU_ALLOC_CONF=expandable_segments:True", "TASK_QUEUE_ENABLE=1", "HCCL_CONNECT_TIMEOUT=",
-                  "engine/3", "trainer/15", "estimated peak", "step speed-up bound", "Ray placement groups",
+                  "engine/7", "trainer/31", "estimated peak", "step speed-up bound", "Ray placement groups",
                   "qwen3_6_27b_config.json", "not on this machine", "Ray head on node 0 (10.0.0.1)"):  # fmt: skip
         assert words in verbose.stdout, words
     assert "MASTER_ADDR (node 0" not in verbose.stdout and "<node0>" not in verbose.stdout
@@ -386,12 +397,13 @@ def test_script_refuses_what_is_not_built_and_bad_input(tmp_path):
     assert out.returncode == 2 and "LAUNCHER must be ray or torchrun" in out.stderr
     for env, args, words in [
         ({"NNODES": "1"}, ["--dry-run"], "NNODES >= 2"),
-        ({"NNODES": "2", "NODE_RANK": "2"}, ["--dry-run"], "NODE_RANK"),
+        ({"NNODES": "4", "NODE_RANK": "4"}, ["--dry-run"], "NODE_RANK"),
         ({"NNODES": "x"}, ["--dry-run"], "NNODES"),
         ({}, ["--json"], "--dry-run"),
         ({}, ["--bogus"], "unknown option"),
-        ({"NNODES": "2", "MODEL_PATH": str(model), "TASKS": str(tasks)}, [], "MASTER_ADDR"),
-        ({"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "TASKS": str(tasks)}, [], "MODEL_PATH"),
+        ({"NNODES": "4", "MODEL_PATH": str(model), "TASKS": str(tasks)}, [], "MASTER_ADDR"),
+        ({"NNODES": "4", "MASTER_ADDR": "10.0.0.1", "TASKS": str(tasks)}, [], "MODEL_PATH"),
+        ({"NNODES": "2"}, ["--dry-run"], "do not divide into tp 8 x cp 2 x pp 1 groups"),
         ({}, ["--verbose"], "--dry-run"),
     ]:
         out = _script("a2", *args, cwd=tmp_path, **env)
@@ -405,7 +417,8 @@ def test_script_refuses_what_is_not_built_and_bad_input(tmp_path):
 def test_script_overrides_reach_the_recipe_and_win(tmp_path):
     out = _script("a3", "--dry-run", "--json", "rollout.num_engines=2", "controller.steps=3", cwd=tmp_path)
     plan = _verdict_matches_exit(out)
-    assert plan["num_engines"] == 2 and plan["idle"] == {"1": list(range(8, 16))}
+    # 4 nodes by default, 2 of them rollout nodes: 2 engines x tp 4 take 8 of their 32 devices
+    assert plan["num_engines"] == 2 and plan["idle"] == {"2": list(range(8, 16)), "3": list(range(16))}
 
 
 def test_cpu_code_agent_dry_run_estimates_the_tiny_model(tmp_path):
@@ -426,7 +439,7 @@ def test_plan_memory_equals_the_dry_runs(dry_runs, tmp_path):
     out = subprocess.run([sys.executable, "-m", "areal_npu.cli", "plan", *args],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["memory"] == json.loads(dry_runs["a3", 2].stdout)["estimates"]["memory"]
+    assert json.loads(out.stdout)["memory"] == json.loads(dry_runs["a3", 4].stdout)["estimates"]["memory"]
     bad = subprocess.run([sys.executable, "-m", "areal_npu.cli", "plan", *args, "--t-gen", "5"],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)  # fmt: skip
     assert bad.returncode == 2 and "--t-gen" in bad.stderr

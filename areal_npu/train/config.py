@@ -30,7 +30,7 @@ class MegatronLayoutConfig:
     cp_size: int = 1  # context-parallel ranks: every packed sequence split zigzag over them
     pp_size: int = 1  # pipeline stages: decoder layers split evenly over them (1F1B schedule)
     sequence_parallel: bool = (
-        False  # activations outside attention/FFN sharded over TP (needs tp_size >= 2, cp_size 1)
+        False  # activations outside attention/FFN sharded over TP (needs tp_size >= 2)
     )
 
     def validate(self) -> None:

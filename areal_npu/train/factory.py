@@ -5,14 +5,16 @@ recipe, refused before any work (:func:`check_trainer`, :func:`check_world_size`
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 from areal_npu.config import ConfigError
 from areal_npu.model.mtp import MTPConfig
 from areal_npu.train.config import TrainEngineConfig
 from areal_npu.train.protocol import TrainEngine
 
-__all__ = ["build_engine", "check_trainer", "check_world_size"]
+__all__ = ["build_engine", "check_megatron_layout", "check_trainer", "check_world_size"]
 
 
 def build_engine(
@@ -60,33 +62,28 @@ def _prefixed(exc: ConfigError, prefix: str) -> ConfigError:
     return ConfigError(prefix + exc.key, str(exc)[len(exc.key) + 2 :])
 
 
-def check_trainer(cfg) -> None:
+def check_trainer(cfg, with_model: bool = True) -> None:
     """What the run's train engine cannot do with the recipe ``cfg`` (an ``RLConfig``), as a
     :class:`ConfigError` naming the key: a batch the trainer ranks cannot share, the loss, and for
     ``train.backend: megatron`` everything its engine refuses (layout, dtype, MTP, the model, the
-    divisibility of heads / KV heads / FFN / vocabulary by TP and of layers by PP)."""
-    from areal_npu.train.losses import PPOLoss
-
+    divisibility of heads / KV heads / FFN / vocabulary by TP and of layers by PP).
+    ``with_model=False`` (a plan for other machines, the checkpoint maybe absent): all but the
+    model's own checks (what it is, and how its heads and layers divide)."""
     train = cfg.train
     _check_ranks(cfg)
-    loss = PPOLoss(cfg.ppo)  # refuses what no engine computes (ppo.kl_coef)
     if train.backend != "megatron":
+        _check_loss(cfg)
         return
-    from areal_npu.train.megatron.config import check_loss_layout, check_megatron_config
+    check_megatron_layout(cfg, train.megatron.tp_size, train.megatron.cp_size, train.megatron.pp_size)
+    if not with_model:
+        return
     from areal_npu.train.megatron.model import check_layout, check_supported
-    from areal_npu.train.megatron.mtp import check_mtp
 
     hf = _model_hf_config(cfg.model)
     try:
         check_supported(hf, cfg.device)
     except NotImplementedError as exc:
         raise ConfigError("train.backend", f"the Megatron engine cannot build this model: {exc}") from None
-    try:
-        check_megatron_config(train)
-    except ConfigError as exc:
-        raise _prefixed(exc, "train.") from None
-    check_mtp(cfg.mtp, train.megatron.pp_size)
-    check_loss_layout(loss, train.megatron.cp_size)
     layout = train.megatron
     try:
         check_layout(hf, layout.tp_size, layout.pp_size, layout.cp_size, layout.sequence_parallel)
@@ -95,6 +92,30 @@ def check_trainer(cfg) -> None:
         key = next((f"train.megatron.{k}" for k in ("pp_size", "cp_size", "sequence_parallel") if k in text),
                    "train.megatron.tp_size")  # fmt: skip
         raise ConfigError(key, str(exc)) from None
+
+
+def _check_loss(cfg):
+    from areal_npu.train.losses import PPOLoss
+
+    return PPOLoss(cfg.ppo)  # refuses what no engine computes (ppo.kl_coef)
+
+
+def check_megatron_layout(cfg, tp_size: int, cp_size: int, pp_size: int) -> None:
+    """What the Megatron engine refuses of the recipe ``cfg`` at tp / cp / pp sizes (the recipe's, or
+    a layout a plan considers), the model aside: its settings, the MTP head (no pipeline stages),
+    a loss that needs whole sequences under context parallelism. A :class:`ConfigError`."""
+    from areal_npu.train.megatron.config import check_loss_layout, check_megatron_config
+    from areal_npu.train.megatron.mtp import check_mtp
+
+    loss = _check_loss(cfg)
+    sizes = dict(tp_size=tp_size, cp_size=cp_size, pp_size=pp_size)
+    train = SimpleNamespace(megatron=dataclasses.replace(cfg.train.megatron, **sizes))
+    try:
+        check_megatron_config(train)
+    except ConfigError as exc:
+        raise _prefixed(exc, "train.") from None
+    check_mtp(cfg.mtp, pp_size)
+    check_loss_layout(loss, cp_size)
 
 
 def _check_ranks(cfg) -> None:

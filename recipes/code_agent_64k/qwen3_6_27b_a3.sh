@@ -2,7 +2,7 @@
 # Qwen3.6-27B, 64K-token code-agent RL on Ascend A3 nodes (16 dies of 64 GB each), from the
 # areal-npu a3 image. On every node, inside the container (scripts/run_container.sh):
 #
-#   NNODES=2 NODE_RANK=<0..1> MASTER_ADDR=<node 0> MODEL_PATH=/models/Qwen3.6-27B TASKS=/data/tasks.jsonl \
+#   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node 0> MODEL_PATH=/models/Qwen3.6-27B TASKS=/data/tasks.jsonl \
 #     bash recipes/code_agent_64k/qwen3_6_27b_a3.sh [--dry-run [--json]] [key=value ...]
 #
 # Real SWE tasks: TASKS is a SWE-bench / R2E-Gym format task file; ENV_BACKEND (default auto) picks
@@ -26,7 +26,7 @@ set -euo pipefail
 
 CHIP=A3
 DEVICES_PER_NODE=16
-DEFAULT_NNODES=2
+DEFAULT_NNODES=4
 RECIPE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/qwen3_6_27b_a3.yaml"
 # shellcheck source=recipes/code_agent_64k/_launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
