@@ -20,12 +20,13 @@ header covers the file exactly) and a warning that they were not verified.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import zlib
 from pathlib import Path
+
+from areal_npu.digest import sha256_of
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2  # 1: sha256 per file; 2: crc32
@@ -33,14 +34,6 @@ MANIFEST_FORMAT = 2  # 1: sha256 per file; 2: crc32
 REQUIRED_FILES = ("config.json", "optim.pt", "trainer_state.json")
 #: the weights: one file, or shards listed in an index (either one is required)
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:

@@ -21,7 +21,7 @@ from areal_npu.agent.shell_config import ShellAgentConfig
 from areal_npu.agent.workflows import WorkflowConfig, load_workflow
 from areal_npu.config import ConfigError
 from areal_npu.model.tiny import build_tokenizer
-from areal_npu.rollout.client import GenerationResult, GenerationSample
+from tests.support.scripted_engine import ScriptedEngine
 
 JAIL_OK, JAIL_WHY = backend("bwrap").available()
 pytestmark = pytest.mark.skipif(not JAIL_OK, reason=f"no bwrap jail on this machine: {JAIL_WHY}")
@@ -36,19 +36,6 @@ def tok():
 @pytest.fixture(scope="module")
 def task():
     return make_repo_tasks(1, seed=3)[0]
-
-
-class ScriptedEngine:
-    def __init__(self, tok, turns):
-        self.tok, self.turns, self.sent = tok, list(turns), []
-        self.im_end = tok.convert_tokens_to_ids("<|im_end|>")
-
-    async def generate(self, input_ids, *, max_tokens, n=1, **kwargs):
-        turn = len(self.sent)
-        ids = self.tok.encode(self.turns[turn], add_special_tokens=False)[:max_tokens] + [self.im_end]
-        lps, versions = [-0.1 - turn - 0.001 * i for i in range(len(ids))], [20 + turn] * len(ids)
-        self.sent.append((list(input_ids), ids, lps))
-        return GenerationResult("r", list(input_ids), [GenerationSample(ids, lps, versions, "stop")])
 
 
 def agent(tok, harness, **shell):
@@ -92,10 +79,10 @@ def test_mini_swe_agent_fixes_submits_and_trains_on_the_sampled_tokens(tok, task
     assert stats["turns"] == 4 and stats["format_errors"] == 1
     # the unparsable reply is left out of mini-swe-agent's history: the next call starts a new segment
     assert stats["history_rewrites"] == 1 and len(traj.segments) == 1
-    assert trained(traj) == [(t, lp) for _, ids, lps in engine.sent for t, lp in zip(ids, lps)]
+    assert trained(traj) == [(t, lp) for ids, lps, _ in engine.sent for t, lp in zip(ids, lps)]
     # within a segment every call's prompt is the previous call's tokens verbatim plus the observation
-    prompts = [p for p, _, _ in engine.sent]
-    assert prompts[3][: len(prompts[2]) + len(engine.sent[2][1])] == prompts[2] + engine.sent[2][1]
+    prompts = [r["input_ids"] for r in engine.requests]
+    assert prompts[3][: len(prompts[2]) + len(engine.sent[2][0])] == prompts[2] + engine.sent[2][0]
     assert "<returncode>0</returncode>" in tok.decode(prompts[3])  # mini-swe-agent's observation template
 
 
@@ -120,7 +107,7 @@ def test_bring_your_own_harness_example(tok, task):
     engine = ScriptedEngine(tok, [f"```bash\n{fix(task)}\n```", "```bash\necho DONE\n```"])
     traj = episode(agent(tok, "byo_harness:run"), task, engine)
     assert traj.reward == 1.0 and traj.meta["end"] == "submitted" and traj.segments == []
-    assert trained(traj) == [(t, lp) for _, ids, lps in engine.sent for t, lp in zip(ids, lps)]
+    assert trained(traj) == [(t, lp) for ids, lps, _ in engine.sent for t, lp in zip(ids, lps)]
 
 
 @pytest.mark.parametrize(
@@ -166,11 +153,12 @@ def test_mini_swe_agent_tool_calling_model(tok, task):
     traj = episode(wf, task, engine)
     assert traj.reward == 1.0 and traj.meta["end"] == "submitted" and traj.meta["stats"]["turns"] == 2
     # its bash tool's call ran, and its result came back as a tool turn continuing the same tokens
-    assert traj.segments == [] and '"name": "bash"' in tok.decode(engine.sent[0][0])
-    (first, out, _), (second, _, _) = engine.sent
+    assert traj.segments == [] and '"name": "bash"' in tok.decode(engine.requests[0]["input_ids"])
+    first, second = (r["input_ids"] for r in engine.requests)
+    out = engine.sent[0][0]
     assert second[: len(first) + len(out)] == first + out
     assert "<tool_response>\n<returncode>0</returncode>" in tok.decode(second[len(first) + len(out) :])
-    assert trained(traj) == [(t, lp) for _, ids, lps in engine.sent for t, lp in zip(ids, lps)]
+    assert trained(traj) == [(t, lp) for ids, lps, _ in engine.sent for t, lp in zip(ids, lps)]
     with pytest.raises(ConfigError, match="model_class"):
         ShellAgentConfig(harness="mini_swe_agent", harness_config={"model": {"model_class": "x"}}).validate()
 
@@ -203,4 +191,4 @@ def test_a_compacting_harness_is_recorded_and_its_segments_count_in_the_budget(t
     old, new = before.prompt_ids + before.response_ids, traj.prompt_ids + traj.response_ids
     shared = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)  # system + task, counted once
     assert 0 < shared < len(traj.prompt_ids) and stats["tokens"] == len(old) + len(new) - shared
-    assert trained(traj) == [(t, lp) for _, ids, lps in engine.sent for t, lp in zip(ids, lps)]
+    assert trained(traj) == [(t, lp) for ids, lps, _ in engine.sent for t, lp in zip(ids, lps)]

@@ -18,7 +18,8 @@ from areal_npu.agent.shell_agent import ShellAgent
 from areal_npu.agent.shell_config import ShellAgentConfig
 from areal_npu.agent.workflows import WorkflowConfig, load_workflow
 from areal_npu.model.tiny import build_tokenizer
-from areal_npu.rollout.client import GenerationResult, GenerationSample
+from areal_npu.rollout.client import GenerationResult
+from tests.support.scripted_engine import ScriptedEngine
 from tests.support.unittest_task import BUGGY, TEST_PATCH, unittest_id
 
 JAIL_OK, JAIL_WHY = backend("bwrap").available()
@@ -36,32 +37,6 @@ def tok():
 @pytest.fixture(scope="module")
 def task():
     return make_repo_tasks(1, seed=3)[0]
-
-
-class ScriptedEngine:
-    """The client API, answering with pre-written assistant turns: the turn's tokens then <|im_end|>
-    (the stop token), cut at ``max_tokens`` like an engine (finish_reason "length"). Log-probs and
-    versions are made up and differ per turn and token; ``cut`` marks turns returned without the stop."""
-
-    def __init__(self, tok, turns, cut=()):
-        self.tok, self.turns, self.cut = tok, list(turns), set(cut)
-        self.im_end = tok.convert_tokens_to_ids("<|im_end|>")
-        self.requests = []
-        self.sent = []  # (output ids, logprobs, versions) per turn
-
-    async def generate(self, input_ids, *, max_tokens, n=1, **kwargs):
-        turn = len(self.requests)
-        self.requests.append({"input_ids": list(input_ids), "max_tokens": max_tokens, "n": n, **kwargs})
-        ids = self.tok.encode(self.turns[turn], add_special_tokens=False)
-        if turn not in self.cut:
-            ids = ids + [self.im_end]
-        finish = "stop"
-        if len(ids) > max_tokens:
-            ids, finish = ids[:max_tokens], "length"
-        logprobs = [-0.25 - turn - 0.001 * i for i in range(len(ids))]
-        versions = [10 + turn] * len(ids)
-        self.sent.append((ids, logprobs, versions))
-        return GenerationResult("r", list(input_ids), [GenerationSample(ids, logprobs, versions, finish)])
 
 
 class FailingEngine:

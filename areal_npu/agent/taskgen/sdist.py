@@ -5,7 +5,6 @@ then unpacked with tarfile's ``data`` filter (no links or paths outside the dest
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -16,17 +15,10 @@ import zipfile
 from pathlib import Path
 
 from areal_npu.agent.taskgen.spec import LibrarySpec
+from areal_npu.digest import sha256_of
 
 PIP_TIMEOUT_S = 600.0
 _ARCHIVES = (".tar.gz", ".tgz", ".zip", ".tar.bz2")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _checked(path: Path, lib: LibrarySpec) -> Path:
