@@ -25,8 +25,9 @@ Megatron's block differs from our head and what is done instead); it has its own
 (``lr x mtp.lr_scale``) and is clipped apart from the policy, as in the FSDP2 engine.
 
 ``train.dtype`` is the compute dtype (bf16 or float32): fp32 master weights, fp32 gradient
-accumulation and reduction, and AdamW's states sharded over DP x CP (ZeRO-1; our own, not
-Megatron's DistributedOptimizer: :mod:`.precision` says why).
+accumulation and reduction (reduce-scattered, as Megatron's DistributedOptimizer does), and AdamW's
+states sharded over DP x CP (ZeRO-1; our own, not Megatron's DistributedOptimizer: :mod:`.precision`
+says why).
 
 Recomputation (``train.gradient_checkpointing``) is Megatron's own (:func:`.model.recompute_fields`).
 Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config`,
@@ -324,24 +325,24 @@ class MegatronEngine(TrainEngineBase):
         return per_mb_stats
 
     def _reduce_gradients(self) -> None:
-        """Sum the fp32 gradients over the DP x CP group (each rank's loss covers its own tokens),
-        and the per-head q/k norms' partial gradients over TP (each TP rank normalises its own heads)."""
+        """Sum the per-head q/k norms' partial gradients over TP (each TP rank normalises its own
+        heads), then the fp32 gradients over the DP x CP group (each rank's loss covers its own
+        tokens), reduce-scattered: each rank receives the slice its masters own (:mod:`.precision`)."""
         if dist.get_world_size(self.tp_group) > 1:
             partial = [self.optimizer.grads(0)[n] for n in self._tp_partial]
             if self.mtp is not None:
                 partial += [self.optimizer.grads(1)[n] for n in MTP_TP_PARTIAL]
             all_reduce_flat(partial, self.tp_group)
-        if dist.get_world_size(self.dp_cp_group) > 1:
-            for buffer in self.optimizer.grad_buffers():
-                dist.all_reduce(buffer, group=self.dp_cp_group)
-        self.optimizer.expose_grads()
+        self.optimizer.reduce_grads()
 
     def grad_norm(self, mtp: bool = False) -> float:
-        """Global L2 norm of the policy's gradient over TP shards (``mtp``: the MTP head's, one TP rank)."""
-        grads = self.optimizer.grads(1 if mtp else 0).items()
+        """Global L2 norm of the policy's gradient over TP shards (``mtp``: the MTP head's, one TP
+        rank), summed from every DP x CP rank's slice."""
+        grads = self.optimizer.slice_grads(1 if mtp else 0).items()
         return sharded_grad_norm(
-            grads, MTP_TP_SHARDED if mtp else self._tp_sharded, self.tp_group, self.device, self.pp_group
-        )
+            grads, MTP_TP_SHARDED if mtp else self._tp_sharded, self.tp_group, self.device, self.pp_group,
+            slice_group=self.dp_cp_group,
+        )  # fmt: skip
 
     def optimizer_step(self, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
         """Clip (the policy and the MTP head apart), check and apply the gradients to the fp32

@@ -16,21 +16,20 @@ __all__ = ["clip_groups", "sharded_grad_norm"]
 
 
 def sharded_grad_norm(
-    named_grads: Iterable, tp_sharded: set[str], tp_group=None, device=None, pp_group=None
+    named_grads: Iterable, tp_sharded: set[str], tp_group=None, device=None, pp_group=None, slice_group=None
 ) -> float:
     """Global L2 norm of the gradients ``(name, grad or None)``: TP-sharded parameters
     (``tp_sharded`` names) summed over ``tp_group``, replicated ones (norms) counted once, and
-    every pipeline stage's (``pp_group``: each holds its own layers) summed."""
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    every pipeline stage's (``pp_group``: each holds its own layers) summed. ``slice_group``: each
+    of its ranks holds a disjoint slice of the gradients (reduce-scattered), summed over it first."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [tp-sharded, replicated]
     for name, grad in named_grads:
         if grad is None:
             continue
-        sq = grad.double().pow(2).sum()
-        if name in tp_sharded:
-            sharded += sq
-        else:
-            replicated += sq
+        sums[0 if name in tp_sharded else 1] += grad.double().pow(2).sum()
+    if slice_group is not None and dist.get_world_size(slice_group) > 1:
+        dist.all_reduce(sums, group=slice_group)
+    sharded, replicated = sums[0].clone(), sums[1].clone()
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
     total = sharded + replicated

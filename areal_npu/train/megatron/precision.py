@@ -3,7 +3,7 @@
 The model computes in ``train.dtype`` (bf16 or float32). Each parameter group (the policy, the MTP
 head: its own lr, clipped apart) has one flat fp32 gradient buffer, *not* sharded: a
 post-accumulate-grad hook adds every backward's gradient into it (fp32 over micro-batches, then
-summed over ranks in fp32 by the engine) and frees the bf16 ``.grad``. The fp32 masters and AdamW's
+summed over ranks in fp32, :meth:`MasterOptimizer.reduce_grads`) and frees the bf16 ``.grad``. The fp32 masters and AdamW's
 two moments are sharded over the DP x CP group (the group the gradients are summed over, as
 Megatron's DistributedOptimizer shards): rank ``r`` of ``w`` owns the contiguous slice
 ``[r s, (r + 1) s)`` of the flat buffer (padded to ``w s``), steps ``torch.optim.AdamW`` on it
@@ -12,10 +12,13 @@ compute dtype, are all-gathered into every rank's parameters. With float32 the s
 (the masters are fp32 copies of the params, the gather copies them back: exact), and the params'
 ``.grad`` is pointed at the fp32 buffer after the reduction (as before).
 
-Gradients are all-reduced (not reduce-scattered) over DP x CP: every rank keeps the full summed
-gradient, so the norms, the clipping and :meth:`hf_grads` read it as before; Megatron's
-DistributedOptimizer reduce-scatters instead (half the gradient traffic). Same memory (the memory
-model's "fp32 gradients not sharded"), more communication.
+Gradients are reduce-scattered over DP x CP, as Megatron's DistributedOptimizer does: each rank
+receives the sum of its own slice only (an all-reduce moves twice the bytes: a reduce-scatter and
+an all-gather). The norm is summed from the slices (:meth:`MasterOptimizer.slice_grads`, then over
+DP x CP), clipping scales the slice, the step reads it. The rest of the buffer holds this rank's
+unreduced gradient until someone asks for whole gradients (:meth:`MasterOptimizer.grads`: the
+engine's ``hf_grads``, float32 params' ``.grad``), which all-gathers the slices first. Same memory
+(the memory model's "fp32 gradients not sharded": the buffer accumulates whole micro-batches).
 
 Why not Megatron-Core's own ``DistributedOptimizer`` (0.16.1, probed again on the CPU over gloo in
 session 16): ``DistributedDataParallel`` allocates its grad buffer on ``torch.cuda.current_device()``
@@ -100,6 +103,7 @@ class MasterOptimizer:
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        self._sliced = False  # the buffers hold reduced slices only (reduce_grads), not whole gradients
         self.groups = [_Group(g["named"], g.get("init"), g.get("lr"), self.rank, self.world) for g in groups]
         param_groups = [
             {"params": [g.master], **({"lr": g.lr} if g.lr is not None else {})} for g in self.groups
@@ -124,20 +128,50 @@ class MasterOptimizer:
             g.master.grad = None
             for p in g.params:
                 p.grad = None
+        self._sliced = False
+
+    def reduce_grads(self) -> None:
+        """Sum every rank's gradients over ``group``, each rank receiving its own slice
+        (``reduce_scatter_tensor``); then float32 params' ``.grad`` point at the buffer
+        (:meth:`grads` whole). Collective over ``group``."""
+        if self.world > 1:
+            for g in self.groups:
+                mine = torch.empty(g.shard, dtype=g.grad.dtype, device=g.grad.device)
+                dist.reduce_scatter_tensor(mine, g.grad, group=self.group)
+                g.grad[g.start : g.start + g.shard].copy_(mine)
+            self._sliced = True
+        if any(g.dtype == torch.float32 for g in self.groups):
+            self._whole()
+            for g in self.groups:
+                if g.dtype == torch.float32:
+                    for name, p in zip(g.names, g.params):
+                        p.grad = g.views[name]
+
+    def _whole(self) -> None:
+        """Every rank's reduced slice into every rank's buffer (``all_gather_into_tensor``)."""
+        if self._sliced:
+            for g in self.groups:
+                dist.all_gather_into_tensor(g.grad, g.grad[g.start : g.start + g.shard].clone(), group=self.group)
+            self._sliced = False
 
     def grads(self, index: int) -> dict[str, torch.Tensor]:
-        """Group ``index``'s accumulated fp32 gradients by name (views of its buffer)."""
+        """Group ``index``'s accumulated fp32 gradients by name (views of its buffer), whole: after
+        :meth:`reduce_grads` the first call all-gathers the slices (collective over ``group``)."""
+        self._whole()
         return self.groups[index].views
 
-    def grad_buffers(self) -> list[torch.Tensor]:
-        return [g.grad for g in self.groups]
-
-    def expose_grads(self) -> None:
-        """float32 params: ``.grad`` = the fp32 buffer's view (bf16 params keep ``None``)."""
-        for g in self.groups:
-            if g.dtype == torch.float32:
-                for name, p in zip(g.names, g.params):
-                    p.grad = g.views[name]
+    def slice_grads(self, index: int) -> dict[str, torch.Tensor]:
+        """The parts of group ``index``'s gradients in this rank's slice, by name (views of the
+        buffer; names outside the slice absent): what the step reads, the norm sums and clipping
+        scales. Over ``group`` the slices cover every gradient once."""
+        g = self.groups[index]
+        out, offset, end = {}, 0, g.start + g.shard
+        for name, p in zip(g.names, g.params):
+            lo, hi = max(offset, g.start), min(offset + p.numel(), end)
+            if lo < hi:
+                out[name] = g.grad[lo:hi]
+            offset += p.numel()
+        return out
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> None:
@@ -184,16 +218,16 @@ class MasterOptimizer:
 
 
 def optimizer_step(engine, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
-    """:meth:`MegatronEngine.optimizer_step`: clip the policy and the MTP head apart (:mod:`.grads`),
-    refuse non-finite norms (nothing applied), step the masters, refresh the params."""
+    """:meth:`MegatronEngine.optimizer_step`: clip the policy and the MTP head apart (:mod:`.grads`;
+    each rank its slice), refuse non-finite norms (nothing applied), step the masters, refresh the params."""
     from areal_npu.train.base import optimizer_stats, refuse_non_finite
     from areal_npu.train.megatron.grads import clip_groups
 
     step = engine.version if step is None else step
     opt = engine.optimizer
-    groups = [(engine.grad_norm(), list(opt.grads(0).values()))]
+    groups = [(engine.grad_norm(), list(opt.slice_grads(0).values()))]
     if engine.mtp is not None:
-        groups.append((engine.grad_norm(mtp=True), list(opt.grads(1).values())))
+        groups.append((engine.grad_norm(mtp=True), list(opt.slice_grads(1).values())))
     norms = [n for n, _ in groups]
     refuse_non_finite(norms, step, opt.zero_grad)
     clip_groups(groups, engine.config.optim.grad_clip)

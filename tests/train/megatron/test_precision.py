@@ -33,13 +33,13 @@ two_ranks = pytest.mark.skipif(
 )
 
 
-def engine_for(dtype="float32", lr=1e-2, adam_eps=1e-3, mtp=True, tp=1, schedule="constant"):
+def engine_for(dtype="float32", lr=1e-2, adam_eps=1e-3, mtp=True, tp=1, schedule="constant", clip=0.0):
     from areal_npu.train.megatron.engine import MegatronEngine
 
     config, hf = tiny_qwen3()
     head = Qwen35MTP(config, 1)
     init_mtp_weights(head, std=0.08, generator=torch.Generator().manual_seed(11))
-    optim = OptimConfig(lr=lr, grad_clip=0.0, eps=adam_eps, schedule=schedule, total_steps=10)
+    optim = OptimConfig(lr=lr, grad_clip=clip, eps=adam_eps, schedule=schedule, total_steps=10)
     cfg = megatron_config(tp, dtype=dtype, packing=PackingConfig(max_tokens_per_mb=24), optim=optim)
     mtp_cfg = MTPConfig(enabled=mtp, num_depths=1, loss_scale=0.3, lr_scale=0.5)
     return MegatronEngine.from_hf_model(hf, cfg, mtp=head if mtp else None, mtp_config=mtp_cfg)
@@ -151,17 +151,41 @@ def test_an_update_below_bf16_resolution_is_not_lost(one_process):
 # ------------------------------------------------------------------------------- two DP ranks
 
 
+CLIP = 0.05  # below the steps' gradient norms (~0.1-1): both steps are clipped
+
+
 def _two_steps(dtype, dp_rank=0, dp=1):
-    """Two SFT steps (MTP head joint), each DP rank on its share of the batch."""
-    engine = engine_for(dtype, lr=1e-2)
+    """Two SFT steps (MTP head joint, clipped), each DP rank on its share of the batch."""
+    engine = engine_for(dtype, lr=1e-2, clip=CLIP)
+    norms = []
     for seed in (0, 1):
-        engine.train_step(sft_samples(6, seed)[dp_rank::dp], SFTLoss())
-    return {"weights": dict(engine.full_state_dict()), "state_bytes": engine.optimizer.state_bytes()}
+        stats = engine.train_step(sft_samples(6, seed)[dp_rank::dp], SFTLoss())
+        norms.append(stats[names.TRAIN_GRAD_NORM])
+    return {"weights": dict(engine.full_state_dict()), "state_bytes": engine.optimizer.state_bytes(),
+            "norms": norms, "buffers": [g.grad.numel() for g in engine.optimizer.groups]}  # fmt: skip
+
+
+def _recording(calls: list, fn):
+    def record(tensor, *args, **kwargs):
+        calls.append((fn.__name__, args[0].numel() if fn.__name__ == "reduce_scatter_tensor" else tensor.numel()))
+        return fn(tensor, *args, **kwargs)
+
+    return record
 
 
 def _dp_worker(rank, out, init_file):
+    import torch.distributed as dist
+
     with process_group(rank, 2, f"file://{init_file}"):
-        result = {dtype: _two_steps(dtype, rank, 2) for dtype in ("float32", "bfloat16")}
+        result = {"float32": _two_steps("float32", rank, 2)}
+        calls = []  # the bf16 run's sums: (collective, elements summed)
+        plain = dist.all_reduce, dist.reduce_scatter_tensor
+        dist.all_reduce, dist.reduce_scatter_tensor = (_recording(calls, fn) for fn in plain)
+        try:
+            result["bfloat16"] = _two_steps("bfloat16", rank, 2)
+        finally:
+            dist.all_reduce, dist.reduce_scatter_tensor = plain
+        result["calls"] = calls
         torch.save(result, f"{out}.{rank}")
 
 
@@ -188,6 +212,16 @@ def test_two_dp_ranks_with_sharded_optimizer_state_equal_one_process(tmp_path):
         assert per_rank[0] == per_rank[1] and abs(per_rank[0] - one["state_bytes"] / 2) <= 24
         n_params = sum(t.numel() for t in one["weights"].values())
         assert one["state_bytes"] == 12 * n_params
+        for r in range(2):  # the norm summed from the ranks' slices is the whole gradient's
+            assert min(one["norms"]) > CLIP
+            assert two[r][dtype]["norms"] == pytest.approx(one["norms"], rel=1e-5 if dtype == "float32" else 0.05)
+    # the gradients are reduce-scattered, as Megatron's DistributedOptimizer does, not all-reduced:
+    # per step each group's whole fp32 buffer (policy, MTP head) once; all-reduces carry norms only
+    for r in range(2):
+        calls = two[r]["calls"]
+        scattered = [n for name, n in calls if name == "reduce_scatter_tensor"]
+        assert scattered == two[r]["bfloat16"]["buffers"] * 2, calls
+        assert max(n for name, n in calls if name == "all_reduce") <= 2, calls
 
 
 def _resume_worker(rank, root, init_file):
@@ -239,7 +273,7 @@ def test_resume_of_sharded_bf16_state_continues_exactly_and_reshards(tmp_path):
 
 def _tp_worker(rank, out, init_file):
     with process_group(rank, 2, f"file://{init_file}"):
-        engine = engine_for("bfloat16", lr=1e-2, tp=2)
+        engine = engine_for("bfloat16", lr=1e-2, tp=2, clip=CLIP)  # as _two_steps, its reference
         for seed in (0, 1):
             engine.train_step(sft_samples(6, seed), SFTLoss())
         weights = dict(engine.full_state_dict())
