@@ -3,9 +3,9 @@
 The model computes in ``train.dtype`` (bf16 or float32). Each parameter group (the policy, the MTP
 head: its own lr, clipped apart) has one flat fp32 gradient buffer, *not* sharded: a
 post-accumulate-grad hook adds every backward's gradient into it (fp32 over micro-batches, then
-summed over ranks in fp32, :meth:`MasterOptimizer.reduce_grads`) and frees the bf16 ``.grad``. The fp32 masters and AdamW's
-two moments are sharded over the DP x CP group (the group the gradients are summed over, as
-Megatron's DistributedOptimizer shards): rank ``r`` of ``w`` owns the contiguous slice
+summed over ranks in fp32, :meth:`MasterOptimizer.reduce_grads`) and frees the bf16 ``.grad``. The
+fp32 masters and AdamW's two moments are sharded over the DP x CP group (the group the gradients
+are summed over, as Megatron's DistributedOptimizer shards): rank ``r`` of ``w`` owns the contiguous slice
 ``[r s, (r + 1) s)`` of the flat buffer (padded to ``w s``), steps ``torch.optim.AdamW`` on it
 (elementwise: a sliced step equals the full one bit for bit), and the updated slices, cast to the
 compute dtype, are all-gathered into every rank's parameters. With float32 the same path runs
