@@ -50,3 +50,13 @@ def _platform_unchanged():
 
         current_platform.cache_clear()
         pytest.fail("the test changed AREAL_NPU_DEVICE and did not restore it", pytrace=False)
+
+
+def pytest_configure(config):
+    """transformers' logging handler writes to the ``sys.stderr`` of the moment it is first used:
+    under ``capsys`` that is the test's capture file, closed when the test ends, and every later
+    transformers warning then fails to print ("I/O operation on closed file") onto stderr that
+    tests read. Creating the handler here binds it to the real stderr, whatever test runs first."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers")
