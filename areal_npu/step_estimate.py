@@ -176,8 +176,8 @@ def memory_dict(estimate: MemoryEstimate, budget: DeviceBudget) -> dict[str, Any
 def layout_allowed(cfg, dims: ModelDims, tp: int, cp: int, pp: int) -> bool:
     """Whether the model splits over tp / cp / pp: attention heads over tp (key/value heads divide
     or are replicated), Gated DeltaNet heads over tp x cp, layers evenly over pp; and whether the
-    Megatron engine takes the recipe at that layout (:func:`check_megatron_layout`: e.g. its MTP head
-    has no pipeline stages); the FSDP2 engine has dp only."""
+    Megatron engine takes the recipe at that layout (:func:`check_megatron_layout`: e.g. a loss that
+    needs whole sequences, under cp); the FSDP2 engine has dp only."""
     if cfg.train.backend != "megatron":
         return tp == cp == pp == 1
     kv = dims.num_key_value_heads

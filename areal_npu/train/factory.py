@@ -41,7 +41,7 @@ def build_engine(
         from areal_npu.train.megatron.engine import MegatronEngine
         from areal_npu.train.megatron.mtp import check_mtp
 
-        check_mtp(mtp, train.megatron.pp_size)  # before loading anything
+        check_mtp(mtp)  # before loading anything
         # either layout (the text LM trains); each rank reads only its shards of the checkpoint
         return MegatronEngine.from_checkpoint(checkpoint, train, mtp, pad_token_id=pad_token_id)
     raise ConfigError("train.backend", f"no engine for {train.backend!r}")
@@ -102,8 +102,8 @@ def _check_loss(cfg):
 
 def check_megatron_layout(cfg, tp_size: int, cp_size: int, pp_size: int) -> None:
     """What the Megatron engine refuses of the recipe ``cfg`` at tp / cp / pp sizes (the recipe's, or
-    a layout a plan considers), the model aside: its settings, the MTP head (no pipeline stages),
-    a loss that needs whole sequences under context parallelism. A :class:`ConfigError`."""
+    a layout a plan considers), the model aside: its settings, the MTP head (depth 1, trained
+    jointly), a loss that needs whole sequences under context parallelism. A :class:`ConfigError`."""
     from areal_npu.train.megatron.config import check_loss_layout, check_megatron_config
     from areal_npu.train.megatron.mtp import check_mtp
 
@@ -114,7 +114,7 @@ def check_megatron_layout(cfg, tp_size: int, cp_size: int, pp_size: int) -> None
         check_megatron_config(train)
     except ConfigError as exc:
         raise _prefixed(exc, "train.") from None
-    check_mtp(cfg.mtp, pp_size)
+    check_mtp(cfg.mtp)
     check_loss_layout(loss, cp_size)
 
 

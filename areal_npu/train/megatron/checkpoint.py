@@ -30,7 +30,7 @@ from areal_npu.train.base import check_export_kinds
 from areal_npu.train.checkpoint import OPTIM_DIR, read_trainer_state, write_checkpoint
 from areal_npu.train.megatron import convert
 from areal_npu.train.megatron.dist_optim import load_optimizer_state, save_optimizer_state
-from areal_npu.train.megatron.mtp import mtp_mcore_to_hf
+from areal_npu.train.megatron.pipeline import from_last_stage
 
 __all__ = ["export_buckets", "load_checkpoint", "save_checkpoint", "write_hf_checkpoint"]
 
@@ -48,8 +48,8 @@ def export_buckets(engine, bucket_bytes: int, kinds):
             params = dict(engine.module.named_parameters())
             policy = convert.gathered_hf_tensors(params, engine.shape, engine.tp_group, engine.pp_group)
             yield from (("policy", engine.layout.checkpoint_name(n), t) for n, t in policy)
-        if "mtp" in kinds and engine.mtp is not None:
-            head = mtp_mcore_to_hf(dict(engine.mtp.named_parameters()), engine.shape, engine.tp_group)
+        if "mtp" in kinds and engine.mtp_config.enabled:
+            head = engine.mtp_hf_tensors(lambda: dict(engine.mtp.named_parameters()))
             yield from (("mtp", n, t) for n, t in head)
         if "vision" in kinds:
             yield from (("vision", n, t) for n, t in engine.layout.carried.items())
@@ -67,11 +67,7 @@ def write_hf_checkpoint(engine, out_dir: str | Path, tokenizer=None, max_shard_b
     limit = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     params = dict(engine.module.named_parameters())
     policy = convert.gathered_hf_tensors(params, engine.shape, engine.tp_group, engine.pp_group)
-    head = (
-        mtp_mcore_to_hf(dict(engine.mtp.named_parameters()), engine.shape, engine.tp_group)
-        if engine.mtp
-        else ()
-    )
+    head = engine.mtp_hf_tensors(lambda: dict(engine.mtp.named_parameters())) if engine.mtp_config.enabled else ()
     tensors = itertools.chain(policy, head)
     if dist.get_rank() == 0:
         engine.layout.save(out, tensors, engine.hf_config, tokenizer, **limit)
@@ -95,7 +91,10 @@ def save_checkpoint(
                      "dp_cp_size": engine.optimizer.world, **saved}  # fmt: skip
             torch.save(index, tmp / "optim.pt")
 
-    state = {"version": engine.version, "scheduler": engine.scheduler.state_dict(), "extra": extra or {}}
+    scheduler = engine.scheduler.state_dict()
+    if engine.mtp_config.enabled and engine.stage.size > 1:  # the stage holding every parameter group
+        scheduler = from_last_stage(scheduler, engine.pp_group)
+    state = {"version": engine.version, "scheduler": scheduler, "extra": extra or {}}
     return write_checkpoint(root, engine.version, write_files, state, keep_last)
 
 
@@ -110,6 +109,9 @@ def load_checkpoint(engine, path: str | Path) -> dict:
         )
     load_optimizer_state(engine, path / OPTIM_DIR, index)
     trainer = read_trainer_state(path)
-    engine.scheduler.load_state_dict(trainer["scheduler"])
+    groups = len(engine.optimizer.optimizer.param_groups)  # a stage without the MTP head: the policy's
+    engine.scheduler.load_state_dict(
+        {k: v[:groups] if isinstance(v, list) else v for k, v in trainer["scheduler"].items()}
+    )
     engine.version = int(trainer["version"])
     return trainer["extra"]

@@ -33,6 +33,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 
 from areal_npu.names import MTP_PREFIX
 from areal_npu.train.megatron import convert
+from areal_npu.train.megatron.pipeline import from_last_stage
 
 __all__ = ["MOMENTS", "load_optimizer_state", "save_optimizer_state"]
 
@@ -165,6 +166,9 @@ def save_optimizer_state(engine, directory: Path) -> dict:
     steps = [float(opt.optimizer.state[g.master]["step"]) if g.master in opt.optimizer.state else None
              for g in opt.groups]  # fmt: skip
     hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in opt.optimizer.param_groups]
+    if engine.mtp_config.enabled and engine.stage.size > 1:  # the head's group lives on the last stage
+        head = from_last_stage((steps[1:], hyper[1:]) if engine.stage.last else None, engine.pp_group)
+        steps, hyper = steps[:1] + head[0], hyper[:1] + head[1]
     return {"steps": steps, "param_groups": hyper}
 
 

@@ -19,10 +19,13 @@ and DP ranks; each CP rank's loss covers its tokens, so gradients are *summed* o
 group (TP reductions happen inside Megatron's layers), and the per-head q/k norms' partial
 gradients over TP.
 
-The MTP head (``mtp.*``, joint training, depth 1, any TP and CP) is Megatron-Core's
+The MTP head (``mtp.*``, joint training, depth 1, any TP, CP and PP) is Megatron-Core's
 ``MultiTokenPredictionLayer`` fed our inputs and trained with our loss (:mod:`.mtp`: where
 Megatron's block differs from our head and what is done instead); it has its own optimizer group
-(``lr x mtp.lr_scale``) and is clipped apart from the policy, as in the FSDP2 engine.
+(``lr x mtp.lr_scale``) and is clipped apart from the policy, as in the FSDP2 engine. With pipeline
+stages it lives on the last one, which holds a copy of the first stage's embedding shard
+(:meth:`MegatronEngine._copy_embedding_to_last_stage`, before every training step); its norm,
+weights and optimizer metadata reach the other stages by broadcast (:mod:`.pipeline`).
 
 ``train.dtype`` is the compute dtype (bf16 or float32): fp32 master weights, fp32 gradient
 accumulation and reduction (reduce-scattered, as Megatron's DistributedOptimizer does), and AdamW's
@@ -31,8 +34,8 @@ says why).
 
 Recomputation (``train.gradient_checkpointing``) is Megatron's own (:func:`.model.recompute_fields`).
 Not wired yet (each refused by :func:`areal_npu.train.megatron.config.check_megatron_config`,
-:func:`areal_npu.train.megatron.mtp.check_mtp` or the constructor with a sentence): the MTP head or
-tied embeddings with pipeline stages, interleaved (virtual) pipeline stages. Qwen3.5 hybrids run
+:func:`areal_npu.train.megatron.mtp.check_mtp` or the constructor with a sentence): tied embeddings
+with pipeline stages, interleaved (virtual) pipeline stages. Qwen3.5 hybrids run
 every layout whose TP x CP ranks divide their Gated DeltaNet heads (:mod:`.hybrid`).
 """
 
@@ -73,7 +76,7 @@ from areal_npu.train.megatron.mtp import (
     vocab_parallel_mtp_loss,
 )
 from areal_npu.train.megatron.packing import MegatronMicroBatch, check_same_samples, to_megatron
-from areal_npu.train.megatron.pipeline import run_pipeline
+from areal_npu.train.megatron.pipeline import from_last_stage, run_pipeline, stream_from_last_stage
 from areal_npu.train.megatron.precision import MasterOptimizer, optimizer_step
 from areal_npu.train.megatron.runtime import init_parallel_state
 from areal_npu.train.megatron.shape import gpt_shape
@@ -107,7 +110,7 @@ class MegatronEngine(TrainEngineBase):
         check_megatron_config(config)
         self.config = config
         self.mtp_config = mtp_config or MTPConfig(enabled=False)  # validated (the recipe's ``mtp``)
-        check_mtp(self.mtp_config, config.megatron.pp_size)
+        check_mtp(self.mtp_config)
         if self.mtp_config.enabled and not mtp_state:
             raise ValueError("mtp.enabled but no MTP head was given (load one or set mtp.init_new_head)")
         self.pad_token_id = pad_token_id
@@ -167,7 +170,8 @@ class MegatronEngine(TrainEngineBase):
                 set_tensor_model_parallel_attributes(named[name], True, dim, 1)
         self.vocab_start = self.tp_rank * (self.shape.vocab_size // layout.tp_size)
         groups = [{"named": named, "init": exact}]  # the masters from the loaded fp32 values
-        if self.mtp_config.enabled:
+        self._mtp_embedding = None  # the last stage's copy of the first stage's embedding shard (pp > 1)
+        if self.mtp_config.enabled and self.stage.last:  # the head lives beside the output layer
             recompute = config.gradient_checkpointing
             self.mtp = build_mtp_layer(hf_config, layout.tp_size, dtype, self.device, recompute, layout.cp_size)
             state = mtp_hf_to_mcore(mtp_state, self.shape, self.tp_rank, layout.tp_size)
@@ -185,7 +189,7 @@ class MegatronEngine(TrainEngineBase):
         """From a transformers causal LM (its config and full state dict) and, with ``mtp.enabled``,
         its head (:class:`areal_npu.model.mtp.Qwen35MTP`). Without ``mtp`` the head is read from the
         checkpoint ``lm`` was loaded from (``lm.config.name_or_path``), as the FSDP2 path does."""
-        mtp_state = head_state(lm, mtp, kwargs.get("mtp_config"), config.megatron)
+        mtp_state = head_state(lm, mtp, kwargs.get("mtp_config"))
         return cls(lm.config, lm.state_dict(), config, mtp_state=mtp_state, **kwargs)
 
     @classmethod
@@ -201,7 +205,7 @@ class MegatronEngine(TrainEngineBase):
         hf_config, layout = config_and_layout(model_dir)
         mtp_state = None
         if mtp_config is not None and mtp_config.enabled:
-            check_mtp(mtp_config, config.megatron.pp_size)  # before loading anything
+            check_mtp(mtp_config)  # before loading anything
             head = build_mtp_head(hf_config, mtp_config, model_dir)
             mtp_state = {MTP_PREFIX + n: p for n, p in head.state_dict().items()}
         reader = SafetensorsReader(model_dir)
@@ -223,7 +227,7 @@ class MegatronEngine(TrainEngineBase):
         return mb.params.cu_seqlens_q if mb.cp_size == 1 else None
 
     def _mtp_args(self, plan, mbs, samples) -> list[MTPArgs | None]:
-        if self.mtp is None:
+        if not self.mtp_config.enabled:  # every stage takes part in the targets' collectives
             return [None] * len(mbs)
         return mtp_targets(mbs, plan, samples, self.pad_token_id, self.device, self.dp_group, self.mtp_config.loss_scale)
 
@@ -269,7 +273,9 @@ class MegatronEngine(TrainEngineBase):
         if mtp_args is None:
             return logp, entropy, None, {}
         targets, group = mtp_args.targets, self.tp_group if tp > 1 else None
-        embedding = self.module.embedding.word_embeddings.weight  # this rank's vocabulary rows
+        embedding = (  # this rank's vocabulary rows
+            self._mtp_embedding if self.stage.size > 1 else self.module.embedding.word_embeddings.weight
+        )
         mtp_hidden = mtp_forward(
             self.mtp, hidden, targets.embed_ids[0], embedding, rotary, mb.params, self.vocab_start, group
         )
@@ -298,7 +304,7 @@ class MegatronEngine(TrainEngineBase):
         self.module.eval()
         if self.stage.size > 1:  # the last stage's head: log-probs, no loss
 
-            def head(hidden, mb):
+            def head(hidden, mb, rotary):
                 return hidden.new_zeros(()), self._gather_cp(self._head(hidden, mb)[0], mb)
 
             per_mb = run_pipeline(self, mbs, head, forward_only=True)
@@ -312,9 +318,13 @@ class MegatronEngine(TrainEngineBase):
             self.mtp.train()
         self.optimizer.zero_grad()
         if self.stage.size > 1:  # Megatron's schedule runs the backward
-            per_mb_stats = run_pipeline(
-                self, mbs, lambda hidden, mb: mb_loss(mb, *self._head(hidden, mb)[:2]), forward_only=False
-            )
+            args = {id(mb): arg for mb, arg in zip(mbs, mtp_args)}
+            self._copy_embedding_to_last_stage()
+
+            def head(hidden, mb, rotary):
+                return mb_loss(mb, *self._head(hidden, mb, rotary, args[id(mb)]))
+
+            per_mb_stats = run_pipeline(self, mbs, head, forward_only=False)
         else:
             per_mb_stats = []
             for mb, mtp_arg in zip(mbs, mtp_args):
@@ -323,6 +333,26 @@ class MegatronEngine(TrainEngineBase):
                 per_mb_stats.append(result)
         self._reduce_gradients()
         return per_mb_stats
+
+    @torch.no_grad()
+    def _copy_embedding_to_last_stage(self) -> None:
+        """With the MTP head on pipeline stages: the first stage's embedding shard (this TP rank's
+        vocabulary rows, as the last optimizer step left them) into the last stage's copy, which
+        the head reads detached. Collective over the pipeline group."""
+        if not self.mtp_config.enabled:
+            return
+        if self.stage.first:
+            weight = self.module.embedding.word_embeddings.weight.detach()
+        else:
+            shape = (self.shape.vocab_size // self.config.megatron.tp_size, self.shape.hidden_size)
+            if self._mtp_embedding is None or not self.stage.last:
+                dtype = next(self.module.parameters()).dtype
+                weight = torch.empty(shape, dtype=dtype, device=self.device)
+            else:
+                weight = self._mtp_embedding
+        dist.broadcast(weight, dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
+        if self.stage.last:
+            self._mtp_embedding = weight
 
     def _reduce_gradients(self) -> None:
         """Sum the per-head q/k norms' partial gradients over TP (each TP rank normalises its own
@@ -337,12 +367,18 @@ class MegatronEngine(TrainEngineBase):
 
     def grad_norm(self, mtp: bool = False) -> float:
         """Global L2 norm of the policy's gradient over TP shards (``mtp``: the MTP head's, one TP
-        rank), summed from every DP x CP rank's slice."""
-        grads = self.optimizer.slice_grads(1 if mtp else 0).items()
-        return sharded_grad_norm(
-            grads, MTP_TP_SHARDED if mtp else self._tp_sharded, self.tp_group, self.device, self.pp_group,
-            slice_group=self.dp_cp_group,
-        )  # fmt: skip
+        rank; with pipeline stages the last stage's, on every stage), summed from every DP x CP
+        rank's slice. Collective."""
+        if not mtp:
+            grads = self.optimizer.slice_grads(0).items()
+            return sharded_grad_norm(
+                grads, self._tp_sharded, self.tp_group, self.device, self.pp_group, slice_group=self.dp_cp_group
+            )
+        norm = None
+        if self.mtp is not None:
+            grads = self.optimizer.slice_grads(1).items()
+            norm = sharded_grad_norm(grads, MTP_TP_SHARDED, self.tp_group, self.device, slice_group=self.dp_cp_group)
+        return from_last_stage(norm, self.pp_group)
 
     def optimizer_step(self, step: int | None = None, bump_version: bool = True) -> dict[str, float]:
         """Clip (the policy and the MTP head apart), check and apply the gradients to the fp32
@@ -364,16 +400,23 @@ class MegatronEngine(TrainEngineBase):
         yield from convert.gathered_hf_tensors(
             self.optimizer.masters(0), self.shape, self.tp_group, self.pp_group
         )
-        if self.mtp is not None:
-            yield from mtp_mcore_to_hf(self.optimizer.masters(1), self.shape, self.tp_group)
+        if self.mtp_config.enabled:
+            yield from self.mtp_hf_tensors(lambda: self.optimizer.masters(1))
+
+    def mtp_hf_tensors(self, named, grads: bool = False):
+        """The MTP head's ``mtp.*`` tensors from ``named()`` (its Megatron-named tensors, called on
+        the last pipeline stage, which holds the head), on every rank. Collective."""
+        return stream_from_last_stage(
+            lambda: mtp_mcore_to_hf(named(), self.shape, self.tp_group, grads=grads), self.pp_group, self.device
+        )
 
     def hf_grads(self) -> dict[str, torch.Tensor]:
         """The accumulated fp32 gradients under HF names, full tensors (collective over TP)."""
         out = dict(
             convert.gathered_hf_tensors(self.optimizer.grads(0), self.shape, self.tp_group, self.pp_group, True)
         )
-        if self.mtp is not None:
-            out.update(mtp_mcore_to_hf(self.optimizer.grads(1), self.shape, self.tp_group, grads=True))
+        if self.mtp_config.enabled:
+            out.update(self.mtp_hf_tensors(lambda: self.optimizer.grads(1), grads=True))
         return out
 
     def export_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, kinds: Sequence[str] = ("policy", "mtp")):

@@ -308,7 +308,7 @@ def decoder_hidden_states(
         sequence_len_offset=sequence_len_offset,
     )
     if not squeeze:  # [t, 1, H], as pipeline stages exchange it
-        return hidden
+        return (hidden, rotary_pos_emb) if with_rotary else hidden
     if with_rotary:
         return hidden[:, 0], rotary_pos_emb
     return hidden[:, 0]  # [t, 1, H] -> [t, H]

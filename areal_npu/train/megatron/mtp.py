@@ -34,8 +34,11 @@ lookup and the loss run on the vocabulary shards (:func:`vocab_parallel_embeddin
 :func:`vocab_parallel_mtp_loss`). Context parallelism: the targets (``ids_{t+1}`` to embed,
 ``ids_{t+2}`` to predict) are built on the whole packed row, where the next tokens of a CP rank's
 chunk lie on another rank, and then split in the zigzag order of the tokens
-(:func:`mtp_targets`); the layer's attention is the decoder's CP attention. Scope: joint training
-(``mtp.train`` without ``mtp_only``), no pipeline stages. Each refused with a sentence.
+(:func:`mtp_targets`); the layer's attention is the decoder's CP attention. Pipeline stages: the
+layer lives on the last stage (beside the output head), which holds a copy of the first stage's
+embedding shard for ``E[ids_{t+1}]``, refreshed from it before every training step (the copy is
+read detached, so nothing flows back). Scope: joint training (``mtp.train`` without ``mtp_only``),
+refused otherwise with a sentence.
 """
 
 from __future__ import annotations
@@ -89,9 +92,9 @@ MTP_RULES: tuple[Rule, ...] = (
 )
 
 
-def check_mtp(mtp_config: MTPConfig, pp_size: int = 1) -> None:
+def check_mtp(mtp_config: MTPConfig) -> None:
     """What the Megatron engine's MTP head cannot do yet, refused before any work (naming the key).
-    Any TP and CP size works (with or without sequence parallelism); ``pp_size`` must be 1."""
+    Any TP, CP and PP size works (with or without sequence parallelism)."""
     if not mtp_config.enabled:
         return
     if mtp_config.num_depths != 1:
@@ -105,14 +108,9 @@ def check_mtp(mtp_config: MTPConfig, pp_size: int = 1) -> None:
             "the Megatron engine trains the MTP head jointly with the policy only (mtp.train=true, "
             "mtp.mtp_only=false); use train.backend=fsdp2 for a frozen head or MTP-only training",
         )
-    if pp_size > 1:
-        raise ConfigError(
-            "train.megatron.pp_size", f"the Megatron engine's MTP head runs without pipeline stages so far "
-            f"(got {pp_size}): it needs the first stage's embedding on the last stage",
-        )  # fmt: skip
 
 
-def head_state(lm, mtp, mtp_config: MTPConfig | None, layout) -> dict[str, torch.Tensor] | None:
+def head_state(lm, mtp, mtp_config: MTPConfig | None) -> dict[str, torch.Tensor] | None:
     """The head's ``mtp.*`` tensors for the engine: from ``mtp`` (a
     :class:`areal_npu.model.mtp.Qwen35MTP`) or, without one, read from the checkpoint ``lm`` was
     loaded from (``lm.config.name_or_path``) as the FSDP2 path does (``mtp.init_new_head``: a new
@@ -120,7 +118,7 @@ def head_state(lm, mtp, mtp_config: MTPConfig | None, layout) -> dict[str, torch
     if mtp is None and mtp_config is not None and mtp_config.enabled:
         from areal_npu.model.mtp_checkpoint import attach_mtp
 
-        check_mtp(mtp_config, layout.pp_size)  # before loading anything
+        check_mtp(mtp_config)  # before loading anything
         mtp = attach_mtp(lm, mtp_config, getattr(lm.config, "name_or_path", None) or None)
     return {names.MTP_PREFIX + n: p for n, p in mtp.state_dict().items()} if mtp is not None else None
 

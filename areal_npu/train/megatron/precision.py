@@ -226,8 +226,8 @@ def optimizer_step(engine, step: int | None = None, bump_version: bool = True) -
     step = engine.version if step is None else step
     opt = engine.optimizer
     groups = [(engine.grad_norm(), list(opt.slice_grads(0).values()))]
-    if engine.mtp is not None:
-        groups.append((engine.grad_norm(mtp=True), list(opt.slice_grads(1).values())))
+    if engine.mtp_config.enabled:  # every stage learns the norm; the last holds the head
+        groups.append((engine.grad_norm(mtp=True), list(opt.slice_grads(1).values()) if engine.mtp else []))
     norms = [n for n, _ in groups]
     refuse_non_finite(norms, step, opt.zero_grad)
     clip_groups(groups, engine.config.optim.grad_clip)

@@ -4,9 +4,11 @@ take a second one; NEW processes build engines, load the checkpoint and take the
 Reference: the uninterrupted run's second step (stats, learning rate, every weight under HF names,
 each rank's torch RNG draw right after the save / the load), same layout, same data. The saved
 weights are a Hugging Face checkpoint transformers loads, equal to the engine's ``full_state_dict``
-whatever the TP or pipeline layout. The PP=2 checkpoint resumes at PP=1: the masters, AdamW
-moments and step count the one-stage engine holds equal both stages' at the save, bit for bit
-(reference: ``optimizer_state_by_hand`` on each stage, global layer names).
+whatever the TP or pipeline layout. At PP=2 the engine trains the MTP head too (on the last stage;
+its weights, written by rank 0 of the first, and its AdamW state resume with the rest). The PP=2
+checkpoint resumes at PP=1: the masters, AdamW moments and step count the one-stage engine holds
+equal both stages' at the save, bit for bit (reference: ``optimizer_state_by_hand`` on each stage,
+global layer names), and its MTP head's step count and weights are the saved ones.
 (One rank: ``test_checkpoint.py``.)
 """
 
@@ -23,19 +25,25 @@ from tests.support.ranks import run_ranks  # noqa: E402
 LAYOUTS = {"tp2": (2, 1, 1), "dp2": (1, 2, 1), "pp2": (1, 1, 2)}  # (tp, dp, pp) on 2 ranks
 
 
-def _engine(tp: int, pp: int = 1):
+def _engine(tp: int, pp: int = 1, mtp: bool = False):
     from areal_npu.data.packing import PackingConfig
+    from areal_npu.model.mtp import MTPConfig, Qwen35MTP, init_mtp_weights
     from areal_npu.train.megatron.engine import MegatronEngine
     from areal_npu.train.optim import OptimConfig
     from tests.support.megatron_tiny import megatron_config, tiny_qwen3
 
-    _, hf = tiny_qwen3()
+    config, hf = tiny_qwen3()
     # a schedule that moves the lr every step, two optimizer steps per train_step; Adam's eps
     # well above rounding noise (as test_multirank_megatron.py)
     optim = OptimConfig(lr=1e-2, grad_clip=1.0, eps=1e-3, schedule="cosine", warmup_steps=1, total_steps=6)
     cfg = megatron_config(tp, ppo_minibatches=2, packing=PackingConfig(max_tokens_per_mb=40), optim=optim)
     cfg.megatron.pp_size = pp
-    return MegatronEngine.from_hf_model(hf, cfg)
+    if not mtp:
+        return MegatronEngine.from_hf_model(hf, cfg)
+    head = Qwen35MTP(config, 1)
+    init_mtp_weights(head, std=0.08, generator=torch.Generator().manual_seed(11))
+    mtp_config = MTPConfig(enabled=True, num_depths=1, loss_scale=0.3, lr_scale=0.5)
+    return MegatronEngine.from_hf_model(hf, cfg, mtp=head, mtp_config=mtp_config)
 
 
 def _step(engine, seed: int, dp_rank: int, dp: int) -> dict:
@@ -57,7 +65,7 @@ def _worker(rank, world, init_file, out_dir, phase, layout):
     tp, dp, pp = LAYOUTS[layout]
     out_dir, dp_rank = Path(out_dir), (rank // tp) % dp  # Megatron's rank order: tp, (cp), dp, pp
     with process_group(rank, world, f"file://{init_file}"):
-        engine = _engine(tp, pp)
+        engine = _engine(tp, pp, mtp=layout == "pp2")
         if phase == "run":
             _step(engine, 0, dp_rank, dp)
             saved = engine.save_checkpoint(out_dir / "ckpt", extra={"data_position": 8})
@@ -119,6 +127,7 @@ def test_a_resumed_two_rank_run_continues_exactly(tmp_path, layout):
         names.TRAIN_LR,
         names.TRAIN_N_TOKENS,
     } <= set(a)
+    assert (names.MTP_LOSS in a) is (layout == "pp2")
     for key in a:
         _assert_close_rel(b[key], a[key], key)
     assert a[names.TRAIN_VERSION] == 2.0
@@ -145,8 +154,13 @@ def test_a_resumed_two_rank_run_continues_exactly(tmp_path, layout):
         from tests.support.megatron_tiny import optimizer_state_by_hand
 
         init_distributed()
-        one = _engine(1)
+        one = _engine(1, mtp=True)
         assert one.load_checkpoint(saved) == {"data_position": 8} and one.version == 1
+        head = one.optimizer.groups[1]  # the MTP head's state, written by the last stage's ranks
+        assert float(one.optimizer.optimizer.state[head.master]["step"]) == 2.0
+        for name, tensor in one.full_state_dict():
+            if name.startswith("mtp."):
+                torch.testing.assert_close(tensor, run["weights1"][name], rtol=0, atol=0, msg=name)
         got = optimizer_state_by_hand(one)
         stages = [torch.load(tmp_path / f"stage{rank}.pt", weights_only=False) for rank in range(2)]
         assert got["step"] == stages[0]["step"] == stages[1]["step"] == 2.0

@@ -130,14 +130,13 @@ def test_mtp_loss_grads_step_and_export_equal_the_fsdp2_engine():
         (dict(num_depths=2), {}, "mtp.num_depths"),
         (dict(train=False), {}, "mtp.train"),
         (dict(mtp_only=True), {}, "mtp.mtp_only"),
-        ({}, dict(pp_size=2), "train.megatron.pp_size"),
     ],
 )
 def test_what_the_megatron_mtp_head_cannot_do_is_refused(mtp, layout, key):
     from areal_npu.train.megatron.mtp import check_mtp
 
     with pytest.raises(ConfigError) as err:
-        check_mtp(MTPConfig(enabled=True, **mtp), layout.get("pp_size", 1))
+        check_mtp(MTPConfig(enabled=True, **mtp))
     assert err.value.key == key
 
 

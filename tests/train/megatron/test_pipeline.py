@@ -1,8 +1,9 @@
 """Pipeline parallelism: two gloo ranks as two pipeline stages (and four as two stages of TP=2) (Megatron-Core's 1F1B schedule over
 packed micro-batches of different lengths) equal one process holding every layer -- log-probs, PPO
-loss, gradient norm, every gradient and every weight after an optimizer step under HF names, the
-weights each stage exports for the rollout sync. What a stage holds is checked against the layer
-split (first stage: the embedding and the first half of the layers; last: the rest and the head).
+loss, the MTP head's loss, gradient norms, every gradient and every weight after an optimizer step
+under HF names (``mtp.*`` included), the weights each stage exports for the rollout sync. What a
+stage holds is checked against the layer split (first stage: the embedding and the first half of
+the layers; last: the rest, the output head and the MTP head, with its copy of the embedding).
 """
 
 import pytest
@@ -24,16 +25,20 @@ CAP = 24  # several micro-batches of different packed lengths
 
 
 def _engine(pp: int, tp: int = 1):
+    from areal_npu.model.mtp import MTPConfig, Qwen35MTP, init_mtp_weights
     from areal_npu.train.config import MegatronLayoutConfig
     from areal_npu.train.megatron.engine import MegatronEngine
 
-    _, hf = tiny_qwen3(num_hidden_layers=LAYERS)
+    config, hf = tiny_qwen3(num_hidden_layers=LAYERS)
+    head = Qwen35MTP(config, 1)
+    init_mtp_weights(head, std=0.08, generator=torch.Generator().manual_seed(11))
     cfg = megatron_config(
         packing=PackingConfig(max_tokens_per_mb=CAP), optim=OptimConfig(lr=1e-2, grad_clip=0.05, eps=1e-3)
     )
     cfg.megatron = MegatronLayoutConfig(tp_size=tp, pp_size=pp)
     cfg.validate()  # packing.tp_size follows the layout
-    return MegatronEngine.from_hf_model(hf, cfg)
+    mtp = MTPConfig(enabled=True, num_depths=1, loss_scale=0.3, lr_scale=0.5)
+    return MegatronEngine.from_hf_model(hf, cfg, mtp=head, mtp_config=mtp)
 
 
 def _outputs(engine) -> dict:
@@ -46,6 +51,7 @@ def _outputs(engine) -> dict:
         "weights": dict(engine.full_state_dict()),
         "exported": exported,
         "held": sorted(engine.module.state_dict()),
+        "mtp_held": engine.mtp is not None,
     }
 
 
@@ -77,22 +83,23 @@ def test_two_pipeline_stages_equal_one_process(tmp_path, tp):
         for s, held in enumerate((first, last))
     }
     assert layers == {0: {"0", "1"}, 1: {"0", "1"}}  # LAYERS / 2 each, numbered from 0 on each stage
+    assert [ranks[s * tp]["mtp_held"] for s in range(2)] == [False, True]  # the head beside the output layer
 
     for two in ranks:  # every rank answers the same, equal to one process
         for got, want in zip(two["prox"], one["prox"], strict=True):
             torch.testing.assert_close(got, want, **tolerance("values", dict(rtol=1e-5, atol=1e-6), want))
-        for key in (N.PPO_LOSS, N.TRAIN_GRAD_NORM):
+        for key in (N.PPO_LOSS, N.TRAIN_GRAD_NORM, N.MTP_LOSS):
             assert two["stats"][key] == pytest.approx(
                 one["stats"][key], **approx("values", 1e-5, one["stats"][key])
             ), key
         assert two["stats"][N.TRAIN_N_TOKENS] == one["stats"][N.TRAIN_N_TOKENS]
-        assert sorted(two["grads"]) == sorted(one["grads"])
+        assert sorted(two["grads"]) == sorted(one["grads"]) and any(n.startswith("mtp.") for n in one["grads"])
         for name, grad in one["grads"].items():
             torch.testing.assert_close(
                 two["grads"][name], grad, **tolerance("grads", dict(rtol=1e-4, atol=1e-7), grad), msg=name
             )
         for key in ("weights", "exported"):
-            assert sorted(two[key]) == sorted(one[key])
+            assert sorted(two[key]) == sorted(one[key]) and any(n.startswith("mtp.") for n in one[key])
             for name, tensor in one[key].items():
                 torch.testing.assert_close(
                     two[key][name],
@@ -104,10 +111,7 @@ def test_two_pipeline_stages_equal_one_process(tmp_path, tp):
 
 
 def test_pipeline_layouts_the_engine_refuses():
-    from areal_npu.config import ConfigError
-    from areal_npu.model.mtp import MTPConfig
     from areal_npu.train.megatron.model import check_layout
-    from areal_npu.train.megatron.mtp import check_mtp
 
     hf, _ = tiny_qwen3(num_hidden_layers=LAYERS)
     with pytest.raises(ValueError, match="num_hidden_layers=4 is not divisible by pp_size=3"):
@@ -115,8 +119,6 @@ def test_pipeline_layouts_the_engine_refuses():
     tied, _ = tiny_qwen3(num_hidden_layers=LAYERS, tie_word_embeddings=True)
     with pytest.raises(ValueError, match="tie_word_embeddings with pp_size=2"):
         check_layout(tied, 1, 2)
-    with pytest.raises(ConfigError, match="pp_size"):
-        check_mtp(MTPConfig(enabled=True), pp_size=2)
 
 
 def test_the_stages_hold_every_weight_once_under_local_layer_numbers():
